@@ -1,0 +1,40 @@
+# Set-up and everyday commands. `make venv` creates .venv and installs everything
+# from the package registries; `make test` runs the test suite; `make serve` serves.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# The CPU build of torch is what the tests need; pin it so pip does not pull CUDA wheels.
+TORCH_CPU ?= torch==2.13.0
+
+.PHONY: venv test lint format serve demo clean
+
+venv: $(BIN)/llmserve
+
+$(BIN)/llmserve: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_CPU)" || $(BIN)/pip install -q --index-url https://download.pytorch.org/whl/cpu torch
+	$(BIN)/pip install -q -e ".[serve,test]"
+	touch $@
+
+test: venv
+	$(BIN)/python -m pytest -q tests
+
+lint: venv
+	$(BIN)/ruff check server tests scripts
+	$(BIN)/ruff format --check server tests scripts
+
+format: venv
+	$(BIN)/ruff format server tests scripts
+	$(BIN)/ruff check --fix server tests scripts
+
+serve: venv
+	if [ -x ./start_server.sh ]; then ./start_server.sh; else $(MAKE) serve-offline; fi
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache
+
+# Until the Triton service lands: a demo of the engine on the demo model.
+.PHONY: serve-offline
+serve-offline: venv
+	$(BIN)/llmserve generate --prompt "Hello, llm" --max-tokens 32 --temperature 0

@@ -1,0 +1,173 @@
+"""Every setting of the stack, in one place.
+
+Each setting has an environment variable (with its legacy alias, as in the
+seeds' start scripts), a default and a validator. `Config.from_env()` reads
+them all and reports every bad value at once, each naming its variable.
+CLI flags mirror them by overriding fields (`dataclasses.replace`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """One or more settings are invalid; the message names each variable."""
+
+
+def _bool(raw: str) -> bool:
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"expected 0/1, got {raw!r}")
+
+
+def _port(raw: str) -> int:
+    p = int(raw)
+    if p != -1 and not 0 < p < 65536:
+        raise ValueError(f"expected a port in 1..65535 (or -1), got {p}")
+    return p
+
+
+def _positive_int(raw: str) -> int:
+    v = int(raw)
+    if v <= 0:
+        raise ValueError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _ratio(raw: str) -> float:
+    v = float(raw)
+    if not 0.0 < v <= 1.0:
+        raise ValueError(f"expected a value in (0, 1], got {v}")
+    return v
+
+
+def _opt_positive_int(raw: str) -> int | None:
+    return None if raw.strip() == "" else _positive_int(raw)
+
+
+def _str(raw: str) -> str:
+    return raw
+
+
+def _setting(env: str, default: Any, parse: Callable[[str], Any], *aliases: str, doc: str = ""):
+    return field(default=default, metadata={"env": env, "aliases": aliases, "parse": parse, "doc": doc})
+
+
+@dataclass(frozen=True)
+class Config:
+    # model
+    model_dir: str = _setting("MODEL_DIR", "", _str, doc="model directory (demo model when empty or absent)")
+    model_name: str = _setting("model_name", "", _str, doc="model to download, then serve")
+    model_config_path: str = _setting(
+        "FD_MODEL_CONFIG_PATH", "", _str, doc="model config (default MODEL_DIR/config.json)"
+    )
+    distributed_config: str = _setting(
+        "DISTRIBUTED_CONFIG", "", _str, doc="rank mapping (default MODEL_DIR/rank_mapping.csv)"
+    )
+    use_hf_tokenizer: bool = _setting("USE_HF_TOKENIZER", False, _bool, doc="load the tokenizer through transformers")
+    runner: str = _setting("LLMSERVE_RUNNER", "auto", _str, doc="auto | paddle | torch")
+    device: str = _setting("LLMSERVE_DEVICE", "auto", _str, doc="auto | cpu | cuda")
+    # ports
+    health_http_port: int = _setting("HEALTH_HTTP_PORT", 8110, _port, "HTTP_PORT", doc="health probes")
+    service_grpc_port: int = _setting("SERVICE_GRPC_PORT", 8811, _port, "GRPC_PORT", doc="Triton gRPC")
+    metrics_http_port: int = _setting("METRICS_HTTP_PORT", 8722, _port, "METRICS_PORT", doc="Prometheus metrics")
+    inter_proc_port: int = _setting("INTER_PROC_PORT", 56666, _port, "INFER_QUEUE_PORT", doc="engine IPC")
+    service_http_port: int = _setting(
+        "SERVICE_HTTP_PORT", 9965, _port, "PUSH_MODE_HTTP_PORT", doc="HTTP front end (-1: none)"
+    )
+    push_mode_http_workers: int = _setting("PUSH_MODE_HTTP_WORKERS", 1, _positive_int, doc="front-end processes (<= 8)")
+    # parallelism
+    mp_num: int = _setting("MP_NUM", 1, _positive_int, doc="tensor-parallel degree")
+    mp_nnode: int = _setting("MP_NNODE", 1, _positive_int, doc="nodes")
+    # limits and scheduling
+    max_seq_len: int = _setting("MAX_SEQ_LEN", 8192, _positive_int, doc="reject longer inputs")
+    max_dec_len: int = _setting("MAX_DEC_LEN", 1024, _positive_int, doc="reject larger max/min_dec_len")
+    batch_size: int = _setting("BATCH_SIZE", 50, _positive_int, doc="max running sequences")
+    block_bs: int | None = _setting(
+        "BLOCK_BS",
+        None,
+        _opt_positive_int,
+        doc="KV blocks = BLOCK_BS * ceil(MAX_SEQ_LEN / BLOCK_SIZE); unset: sized from free memory",
+    )
+    block_ratio: float = _setting("BLOCK_RATIO", 0.75, _ratio, doc="share of KV blocks that admitting prompts may fill")
+    block_size: int = _setting("BLOCK_SIZE", 64, _positive_int, doc="tokens per KV block")
+    max_num_batched_tokens: int = _setting(
+        "MAX_PREFILL_TOKENS", 2048, _positive_int, doc="token budget of one step (chunked prefill)"
+    )
+    kv_cache_memory_fraction: float = _setting(
+        "KV_CACHE_MEMORY_FRACTION",
+        0.9,
+        _ratio,
+        doc="share of free device memory for the KV cache when BLOCK_BS is unset",
+    )
+    enable_prefix_caching: bool = _setting(
+        "ENABLE_PREFIX_CACHING", True, _bool, doc="reuse KV blocks of shared prompt prefixes"
+    )
+    max_cached_task_num: int = _setting("MAX_CACHED_TASK_NUM", 128, _positive_int, doc="queue limit: reject beyond it")
+    # behaviour
+    disable_streaming: bool = _setting("DISABLE_STREAMING", False, _bool, doc="send the whole result at once")
+    use_warmup: bool = _setting("USE_WARMUP", False, _bool, doc="warm up before ready")
+    use_cache_kv_int8: bool = _setting("USE_CACHE_KV_INT8", False, _bool, doc="int8 KV cache")
+    check_health_interval: float = _setting("CHECK_HEALTH_INTERVAL", 10.0, float, doc="engine heartbeat timeout (s)")
+    output_log_to_console: bool = _setting("OUTPUT_LOG_TO_CONSOLE", False, _bool, doc="logs to console instead of log/")
+    log_dir: str = _setting("LOG_DIR", "log", _str, doc="log directory")
+    api_key: str = _setting("API_KEY", "", _str, doc="require Authorization: Bearer <key> (empty: open)")
+    seed: int = _setting("LLMSERVE_SEED", 0, int, doc="engine seed for requests without their own")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        errors: list[str] = []
+        for f in dataclasses.fields(cls):
+            names = (f.metadata["env"], *f.metadata["aliases"])
+            name = next((n for n in names if n in env), None)
+            if name is None:
+                continue
+            try:
+                values[f.name] = f.metadata["parse"](env[name])
+            except ValueError as e:
+                errors.append(f"{name}={env[name]!r}: {e}")
+        if errors:
+            raise ConfigError("invalid settings: " + "; ".join(errors))
+        values.update(overrides)
+        cfg = cls(**values)
+        cfg.validate()
+        return cfg
+
+    def validate(self) -> None:
+        errors = []
+        if self.push_mode_http_workers > 8:
+            errors.append(f"PUSH_MODE_HTTP_WORKERS={self.push_mode_http_workers}: at most 8")
+        if self.runner not in ("auto", "paddle", "torch"):
+            errors.append(f"LLMSERVE_RUNNER={self.runner!r}: expected auto, paddle or torch")
+        if self.device not in ("auto", "cpu", "cuda"):
+            errors.append(f"LLMSERVE_DEVICE={self.device!r}: expected auto, cpu or cuda")
+        if self.check_health_interval <= 0:
+            errors.append(f"CHECK_HEALTH_INTERVAL={self.check_health_interval}: must be positive")
+        if errors:
+            raise ConfigError("invalid settings: " + "; ".join(errors))
+
+    @property
+    def max_blocks_per_seq(self) -> int:
+        return -(-self.max_seq_len // self.block_size)
+
+    @property
+    def num_kv_blocks_from_block_bs(self) -> int | None:
+        """KV blocks fixed by BLOCK_BS, or None to size them from free memory."""
+        return None if self.block_bs is None else self.block_bs * self.max_blocks_per_seq
+
+    @classmethod
+    def settings_table(cls) -> list[tuple[str, tuple[str, ...], Any, str]]:
+        """(variable, aliases, default, meaning) for docs and `llmserve config`."""
+        return [
+            (f.metadata["env"], f.metadata["aliases"], f.default, f.metadata["doc"]) for f in dataclasses.fields(cls)
+        ]

@@ -1,0 +1,229 @@
+"""The engine: request -> scheduler -> runner (model + sampler) -> output.
+
+`step()` runs one batch and returns what each touched request produced. The
+engine is synchronous and single-threaded; the engine process and the
+offline `LLM` drive it in a loop. It knows nothing about HTTP or Triton.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+from llmserve.config import Config
+from llmserve.engine.block_manager import BlockManager
+from llmserve.engine.output import RequestOutput
+from llmserve.engine.output_processor import TextState, check_stop_token
+from llmserve.engine.request import FinishReason, Request
+from llmserve.engine.sampling_params import SamplingParams
+from llmserve.engine.scheduler import Scheduler
+from llmserve.runners.base import ModelRunner, StepBatch
+
+log = logging.getLogger(__name__)
+
+
+class DuplicateRequestError(ValueError):
+    pass
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    steps: int
+    prompt_tokens: int  # of all requests added
+    generation_tokens: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    preemptions: int
+    # Cumulative seconds: whole steps; scheduling; runner.execute (of which the model
+    # run and sampling); output processing (stop checks, detokenizing).
+    step_time: float
+    schedule_time: float
+    execute_time: float
+    model_time: float
+    sample_time: float
+    output_time: float
+
+    @property
+    def host_time(self) -> float:
+        """Time of the step outside the model run."""
+        return self.step_time - self.model_time
+
+
+class LLMEngine:
+    def __init__(self, config: Config, runner: ModelRunner, tokenizer=None) -> None:
+        self.config = config
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.block_manager,
+            max_num_seqs=config.batch_size,
+            max_num_batched_tokens=config.max_num_batched_tokens,
+            block_ratio=config.block_ratio,
+        )
+        self.max_model_len = runner.max_model_len
+        self.capacity_tokens = runner.num_kv_blocks * runner.block_size
+        self.requests: dict[str, Request] = {}
+        self._text: dict[str, TextState] = {}
+        self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
+        self._left: list[str] = []  # req_ids that left since the last step (for the runner)
+        self._steps = self._prompt_tokens = self._gen_tokens = self._preemptions = 0
+        self._step_time = self._schedule_time = self._execute_time = 0.0
+        self._model_time = self._sample_time = self._output_time = 0.0
+
+    # ---- requests ------------------------------------------------------
+    def add_request(
+        self,
+        req_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Queue a request. Raises ValueError (DuplicateRequestError for a req_id in flight)."""
+        params = params or SamplingParams()
+        if req_id in self.requests:
+            raise DuplicateRequestError(f"req_id {req_id!r} is already in flight")
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        limit = min(self.max_model_len, self.capacity_tokens)
+        if n >= limit:
+            raise ValueError(f"the prompt has {n} tokens; this engine serves at most {limit - 1}")
+        vocab = self.runner.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        # Never let one request outgrow the whole cache: it could then never run.
+        params.max_tokens = min(params.max_tokens, limit - n)
+        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids |= self.runner.eos_token_ids
+        req = Request(req_id, list(prompt_token_ids), params, frozenset(stop_ids))
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        self.requests[req_id] = req
+        self._prompt_tokens += n
+        self._text[req_id] = TextState(req, self.tokenizer)
+        self.scheduler.add(req)
+        return req
+
+    def abort(self, req_id: str, reason: str | None = None) -> bool:
+        """Stop a request and free its blocks now; its final output comes with the next step."""
+        req = self.requests.get(req_id)
+        if req is None:
+            return False
+        req.finish_reason = FinishReason.ABORT
+        out = self._finish(req)
+        out.error = reason
+        self._pending.append(out)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished() or bool(self._pending)
+
+    # ---- the step --------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        outputs, self._pending = self._pending, []
+        sched = self.scheduler.schedule()
+        self._preemptions += len(sched.preempted)
+        if not sched.chunks:
+            return outputs
+        left, self._left = self._left, []
+        t1 = time.perf_counter()
+        result = self.runner.execute(StepBatch(sched.chunks, finished_req_ids=left))
+        t2 = time.perf_counter()
+        self.scheduler.update(sched)
+        self._steps += 1
+        self._schedule_time += t1 - t0
+        self._execute_time += t2 - t1
+        self._model_time += result.model_time
+        self._sample_time += result.sample_time
+        now = time.monotonic()
+
+        sampled = iter(range(len(result.token_ids)))
+        for chunk in sched.chunks:
+            req = chunk.request
+            if not chunk.sample:
+                continue
+            k = next(sampled)
+            token = result.token_ids[k]
+            req.output_token_ids.append(token)
+            self._gen_tokens += 1
+            out = RequestOutput(req.req_id, new_token_ids=[token], num_prompt_tokens=req.num_prompt_tokens)
+            if result.logprobs is not None and result.logprobs[k] is not None:
+                out.logprobs = [result.logprobs[k]]
+            if req.first_token_time is None:
+                req.first_token_time = now
+                out.ttft = now - req.arrival_time
+            text = self._text[req.req_id]
+            reason = check_stop_token(req, token, self.max_model_len)
+            reason = text.append([token]) or reason
+            if reason is not None:
+                req.finish_reason = reason
+                final = self._finish(req)
+                final.new_token_ids, final.logprobs, final.ttft = out.new_token_ids, out.logprobs, out.ttft
+                out = final
+            else:
+                out.new_text = text.flush_text(finished=False)
+                out.num_output_tokens = len(req.output_token_ids)
+                out.num_cached_tokens = req.num_cached_tokens
+            outputs.append(out)
+        t3 = time.perf_counter()
+        self._output_time += t3 - t2
+        self._step_time += t3 - t0
+        return outputs
+
+    def _finish(self, req: Request) -> RequestOutput:
+        self.scheduler.remove(req)
+        self.requests.pop(req.req_id, None)
+        text = self._text.pop(req.req_id)
+        self._left.append(req.req_id)
+        return RequestOutput(
+            req.req_id,
+            new_text=text.flush_text(finished=True),
+            finished=True,
+            finish_reason=req.finish_reason.value if req.finish_reason else None,
+            num_prompt_tokens=req.num_prompt_tokens,
+            num_output_tokens=len(req.output_token_ids),
+            num_cached_tokens=req.num_cached_tokens,
+        )
+
+    # ---- introspection -----------------------------------------------------
+    def stats(self) -> EngineStats:
+        bm = self.block_manager
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=bm.num_used,
+            kv_blocks_total=bm.num_blocks,
+            steps=self._steps,
+            prompt_tokens=self._prompt_tokens,
+            generation_tokens=self._gen_tokens,
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            preemptions=self._preemptions,
+            step_time=self._step_time,
+            schedule_time=self._schedule_time,
+            execute_time=self._execute_time,
+            model_time=self._model_time,
+            sample_time=self._sample_time,
+            output_time=self._output_time,
+        )
+
+    def shutdown(self) -> None:
+        self.runner.shutdown()
+
+
+def build_engine(config: Config) -> LLMEngine:
+    """Load the model of `config.model_dir` (the demo model when none) with the right runner."""
+    from llmserve.engine.loader import load_model
+
+    runner, tokenizer = load_model(config)
+    return LLMEngine(config, runner, tokenizer)

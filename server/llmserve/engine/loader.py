@@ -1,0 +1,72 @@
+"""Pick the runner for a model directory and load model + tokenizer.
+
+A directory with rank_0/model.json or rank_0/model.pdmodel is a Paddle static
+graph (paddle runner); one with *.safetensors is a HF checkpoint (torch
+runner). With no model directory, the demo model is built once into a cache
+directory and served.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from llmserve.config import Config
+
+log = logging.getLogger(__name__)
+
+DEMO_SEED = 0
+
+
+def demo_model_dir() -> Path:
+    root = Path(os.environ.get("LLMSERVE_CACHE_DIR") or Path.home() / ".cache" / "llmserve")
+    return root / f"demo-{DEMO_SEED}"
+
+
+def ensure_demo_model() -> Path:
+    """Build the demo model into the cache directory unless it is there already."""
+    from llmserve.models.demo import export_demo
+
+    out = demo_model_dir()
+    if not (out / "rank_0" / "model.pdiparams").exists():
+        log.info("building the demo model into %s", out)
+        export_demo(out, seed=DEMO_SEED)
+    return out
+
+
+def resolve_model_dir(config: Config) -> Path:
+    d = config.model_dir
+    if not d or (d.rstrip("/") == "/models" and not Path(d).is_dir()):
+        return ensure_demo_model()
+    if not Path(d).is_dir():
+        raise FileNotFoundError(f"MODEL_DIR {d!r} is not a directory")
+    return Path(d)
+
+
+def load_model(config: Config):
+    """(runner, tokenizer) for config.model_dir."""
+    from llmserve.engine.tokenizer import load_tokenizer
+    from llmserve.models.export import detect_model_format
+
+    model_dir = resolve_model_dir(config)
+    fmt = detect_model_format(str(model_dir))
+    kind = config.runner if config.runner != "auto" else ("paddle" if fmt == "paddle" else "torch")
+    if kind == "paddle":
+        from llmserve.engine.sampler import Sampler
+        from llmserve.runners.paddle.runner import PaddleRunner
+
+        runner = PaddleRunner(str(model_dir), config, Sampler(config.seed))
+    else:
+        from llmserve.runners.torch.runner import TorchRunner
+
+        runner = TorchRunner(str(model_dir), config)
+    tokenizer = load_tokenizer(str(model_dir), use_hf=config.use_hf_tokenizer)
+    log.info(
+        "loaded %s with the %s runner: %d KV blocks of %d tokens",
+        model_dir,
+        kind,
+        runner.num_kv_blocks,
+        runner.block_size,
+    )
+    return runner, tokenizer

@@ -1,0 +1,23 @@
+"""What the engine reports after each step, per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from llmserve.runners.base import TokenLogprobs
+
+
+@dataclass
+class RequestOutput:
+    req_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    new_text: str = ""
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0
+    num_cached_tokens: int = 0
+    logprobs: list[TokenLogprobs] | None = None
+    error: str | None = None
+    # Seconds since arrival of the first token (set on the output that carries it).
+    ttft: float | None = None

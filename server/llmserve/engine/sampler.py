@@ -1,0 +1,110 @@
+"""Host-side sampler (numpy): penalties, min length, temperature, top-k, top-p, seeds.
+
+Used by runners whose logits come back to the host (the Paddle runner). The
+CUDA runner implements the same definitions on the device.
+
+Every request draws from its own generator, so a seeded request gives the
+same tokens whatever else is in the batch, and preemption (which recomputes
+but does not resample) does not disturb it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from llmserve.engine.request import Request
+from llmserve.engine.sampling_params import SamplingParams
+from llmserve.runners.base import TokenLogprobs
+
+
+def apply_penalties(
+    logits: np.ndarray, prompt_ids: list[int], output_ids: list[int], params: SamplingParams
+) -> np.ndarray:
+    """Penalise one row of logits in place and return it.
+
+    repetition_penalty (penalty_score) applies to every token seen in the prompt
+    or the output: positive logits are divided by it, negative ones multiplied.
+    frequency/presence penalties apply to output tokens: logit -= f * count + p * (count > 0).
+    """
+    if params.repetition_penalty != 1.0:
+        seen = np.unique(np.asarray(prompt_ids + output_ids, dtype=np.int64))
+        vals = logits[seen]
+        logits[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
+        logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return logits
+
+
+def nucleus_mask(probs_sorted: np.ndarray, top_p: float) -> int:
+    """How many of the descending-sorted probabilities the nucleus keeps (at least one)."""
+    before = np.cumsum(probs_sorted) - probs_sorted  # mass strictly before each token
+    return max(1, int(np.count_nonzero(before < top_p)))
+
+
+def log_softmax(x: np.ndarray) -> np.ndarray:
+    m = x.max()
+    z = x - m
+    return z - np.log(np.exp(z).sum())
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._seed_seq = np.random.SeedSequence(seed)
+        self._rngs: dict[str, np.random.Generator] = {}
+
+    def drop(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            self._rngs.pop(rid, None)
+
+    def _rng(self, req: Request) -> np.random.Generator:
+        rng = self._rngs.get(req.req_id)
+        if rng is None:
+            seed = req.params.seed
+            rng = np.random.default_rng(seed if seed is not None else self._seed_seq.spawn(1)[0])
+            self._rngs[req.req_id] = rng
+        return rng
+
+    def sample(
+        self, logits: np.ndarray, requests: list[Request]
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        want_logprobs = False
+        for row, req in zip(logits, requests):
+            token, lp = self.sample_one(np.array(row, dtype=np.float32), req)
+            tokens.append(token)
+            logprobs.append(lp)
+            want_logprobs |= lp is not None
+        return tokens, (logprobs if want_logprobs else None)
+
+    def sample_one(self, row: np.ndarray, req: Request) -> tuple[int, TokenLogprobs | None]:
+        p = req.params
+        apply_penalties(row, req.prompt_token_ids, req.output_token_ids, p)
+        if len(req.output_token_ids) < p.min_tokens:
+            banned = [t for t in req.eos_token_ids if 0 <= t < row.shape[0]]
+            row[banned] = -np.inf
+        if p.greedy:
+            token = int(np.argmax(row))
+        else:
+            token = self._draw(row / p.temperature, p, self._rng(req))
+        lp = None
+        if p.logprobs is not None:
+            ls = log_softmax(row)
+            top = np.argsort(-ls, kind="stable")[: p.logprobs]
+            lp = TokenLogprobs(float(ls[token]), [(int(t), float(ls[t])) for t in top])
+        return token, lp
+
+    @staticmethod
+    def _draw(scaled: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
+        # Sort once (stable, so ties break by token id); top-k and top-p are prefixes of it.
+        order = np.argsort(-scaled, kind="stable")
+        if p.top_k:
+            order = order[: p.top_k]
+        vals = scaled[order]
+        probs = np.exp(vals - vals[0])
+        probs /= probs.sum()
+        keep = nucleus_mask(probs, p.top_p) if p.top_p < 1.0 else len(probs)
+        cdf = np.cumsum(probs[:keep])
+        idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
+        return int(order[min(idx, keep - 1)])

@@ -1,0 +1,67 @@
+"""Per-request generation settings, as the engine sees them.
+
+Protocol layers (native, OpenAI) map their fields and defaults onto these:
+native `max_dec_len`/`min_dec_len`/`topp`/`penalty_score`/`frequency_score`/
+`presence_score` become `max_tokens`/`min_tokens`/`top_p`/
+`repetition_penalty`/`frequency_penalty`/`presence_penalty`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 16
+    min_tokens: int = 1
+    temperature: float = 1.0  # 0: greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    # penalty_score: logits of tokens seen in prompt or output are divided
+    # (positive) or multiplied (negative) by it, as in CTRL / HF.
+    repetition_penalty: float = 1.0
+    # frequency_score / presence_score: logit -= freq * count + pres * (count > 0),
+    # counting output tokens only.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: off; k >= 0: chosen token + top k
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        def bad(name: str, why: str) -> None:
+            raise ValueError(f"{name}: {why}")
+
+        if self.max_tokens < 1:
+            bad("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            bad("min_tokens", f"must be >= 0, got {self.min_tokens}")
+        if self.min_tokens > self.max_tokens:
+            bad("min_tokens", f"{self.min_tokens} exceeds max_tokens {self.max_tokens}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            bad("temperature", f"must be >= 0, got {self.temperature}")
+        if not (0.0 < self.top_p <= 1.0):
+            bad("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            bad("top_k", f"must be >= 0, got {self.top_k}")
+        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+            bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                bad(name, "must be finite")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if any(not s for s in self.stop):
+            bad("stop", "empty stop string")

@@ -1,0 +1,123 @@
+"""Continuous batching with chunked prefill, under a token budget per step.
+
+Each step:
+1. Running requests, oldest first, get their next tokens: one for a decoding
+   request, the next prompt chunk for one still prefilling. When blocks run
+   out, the newest running request is preempted (its blocks freed; it goes
+   back to the front of the queue and is recomputed later).
+2. Waiting requests are admitted in arrival order while the token budget,
+   BATCH_SIZE (max running requests) and the blocks allow. Admission may fill
+   at most BLOCK_RATIO of the blocks, keeping the rest for running requests
+   to grow into (fewer preemptions); an idle engine admits regardless.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from llmserve.engine.block_manager import BlockManager
+from llmserve.engine.request import Request, RequestStatus
+from llmserve.runners.base import SeqChunk
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[SeqChunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        block_ratio: float = 1.0,
+    ) -> None:
+        self.bm = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.block_ratio = block_ratio
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add(self, req: Request) -> None:
+        req.status = RequestStatus.WAITING
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Take a request out (finished or aborted) and free its blocks."""
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.bm.free(req)
+        req.status = RequestStatus.FINISHED
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            while not self.bm.ensure_slots(req, n):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+            i += 1
+
+        # Admit only when nothing was preempted: a preempted request must not be overtaken.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
+            req = self.waiting[0]
+            cached = self.bm.match_prefix(req)
+            computed = len(cached) * self.bm.block_size
+            n = min(req.num_tokens - computed, budget)
+            new_blocks = self.bm.blocks_for(computed + n) - len(cached)
+            if not self.bm.can_allocate(new_blocks, cached):
+                break
+            whole = self.bm.blocks_for(req.num_tokens) - len(cached)
+            if self.running and self.bm.num_used + whole > self.block_ratio * self.bm.num_blocks:
+                break
+            self.waiting.popleft()
+            self.bm.admit(req, cached)
+            ok = self.bm.ensure_slots(req, n)
+            assert ok
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+        return out
+
+    def update(self, out: SchedulerOutput) -> None:
+        """After the step ran: the scheduled tokens are now in the cache."""
+        for c in out.chunks:
+            c.request.num_computed_tokens = c.start + c.num_tokens
+            self.bm.commit(c.request)
+
+    @staticmethod
+    def _chunk(req: Request, n: int) -> SeqChunk:
+        start = req.num_computed_tokens
+        return SeqChunk(req, start, n, sample=start + n == req.num_tokens)
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.bm.free(req)
+        req.status = RequestStatus.WAITING
+        req.num_preemptions += 1
+        self.waiting.appendleft(req)
+        out.preempted.append(req)

@@ -1,0 +1,190 @@
+"""Export a Llama/Qwen2 model to a Paddle static graph: from a HF checkpoint or random weights.
+
+Output directory (docs/model_format.md):
+    config.json                 ModelConfig.to_hf_dict() (dtype float32: the graph computes in float32)
+    generation_config.json      copied from the checkpoint, or bos/eos for random weights
+    tokenizer files             copied from the checkpoint (export_random keeps what is there)
+    rank_0/model.json           the paged PIR program (`llama_paddle.build_paged_program`)
+    rank_0/model.pdiparams      its weights, float32, Paddle [in, out] layout, q/k/v and gate/up fused
+Safetensors are read with numpy alone (no torch), bf16/fp16 widened to float32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import mmap
+import shutil
+import struct
+from pathlib import Path
+
+import numpy as np
+import paddle
+
+from llmserve.models.config import ModelConfig
+from llmserve.models.layout import detect_model_format  # noqa: F401 - re-exported for callers
+from llmserve.models.llama_paddle import build_paged_program, param_shapes, random_weights, rope_inv_freq
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
+_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
+
+
+class SafetensorsReader:
+    """Tensors of one or more .safetensors files by name, as float32 (memory-mapped until read)."""
+
+    def __init__(self, files: list[Path]):
+        self._index: dict[str, tuple[mmap.mmap, dict, int]] = {}
+        for path in files:
+            with open(path, "rb") as f:
+                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+            (header_len,) = struct.unpack("<Q", buf[:8])
+            header = json.loads(buf[8 : 8 + header_len])
+            header.pop("__metadata__", None)
+            for name, meta in header.items():
+                self._index[name] = (buf, meta, 8 + header_len)
+
+    def names(self) -> list[str]:
+        return list(self._index)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._index
+
+    def get(self, name: str) -> np.ndarray:
+        buf, meta, base = self._index[name]
+        dtype = _ST_DTYPES.get(meta["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {name}: dtype {meta['dtype']} is not a float type we can load")
+        begin, end = meta["data_offsets"]
+        raw = np.frombuffer(buf, dtype=dtype, count=(end - begin) // np.dtype(dtype).itemsize, offset=base + begin)
+        if meta["dtype"] == "BF16":  # bfloat16 is the top half of a float32
+            arr = (raw.astype(np.uint32) << 16).view(np.float32)
+        else:
+            arr = raw.astype(np.float32)
+        return arr.reshape(meta["shape"])
+
+
+def hf_weight_files(hf_dir: Path) -> list[Path]:
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [hf_dir / s for s in shards]
+    files = sorted(hf_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (only safetensors checkpoints are supported)")
+    return files
+
+
+def _check_supported(raw: dict) -> None:
+    problems = []
+    if raw.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act={raw['hidden_act']!r} (only silu)")
+    if raw.get("mlp_bias"):
+        problems.append("mlp_bias=true")
+    if raw.get("use_sliding_window"):
+        problems.append("use_sliding_window=true")
+    if problems:
+        raise ValueError("unsupported model config: " + ", ".join(problems))
+
+
+def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """HF Llama/Qwen2 tensors mapped onto `param_shapes(cfg)` (transposed to [in, out], fused)."""
+    st = SafetensorsReader(hf_weight_files(Path(hf_dir)))
+
+    def get(name: str) -> np.ndarray:
+        if name not in st:
+            raise KeyError(f"checkpoint {hf_dir} has no tensor {name!r}")
+        return st.get(name)
+
+    def linear(*names: str) -> np.ndarray:  # HF [out, in] -> ours [in, out], fused along out
+        return np.ascontiguousarray(np.concatenate([get(n) for n in names], axis=0).T)
+
+    out: dict[str, np.ndarray] = {
+        "rope.inv_freq": rope_inv_freq(cfg),
+        "embed_tokens.weight": get("model.embed_tokens.weight"),
+    }
+    for i in range(cfg.num_hidden_layers):
+        hf, p = f"model.layers.{i}.", f"layers.{i}."
+        qkv = [hf + f"self_attn.{x}_proj" for x in "qkv"]
+        out[p + "input_layernorm.weight"] = get(hf + "input_layernorm.weight")
+        out[p + "self_attn.qkv_proj.weight"] = linear(*(n + ".weight" for n in qkv))
+        if cfg.attention_bias:
+            out[p + "self_attn.qkv_proj.bias"] = np.concatenate([get(n + ".bias") for n in qkv])
+        out[p + "self_attn.o_proj.weight"] = linear(hf + "self_attn.o_proj.weight")
+        if p + "self_attn.o_proj.bias" in param_shapes(cfg):
+            out[p + "self_attn.o_proj.bias"] = get(hf + "self_attn.o_proj.bias")
+        out[p + "post_attention_layernorm.weight"] = get(hf + "post_attention_layernorm.weight")
+        out[p + "mlp.gate_up_proj.weight"] = linear(hf + "mlp.gate_proj.weight", hf + "mlp.up_proj.weight")
+        out[p + "mlp.down_proj.weight"] = linear(hf + "mlp.down_proj.weight")
+    out["norm.weight"] = get("model.norm.weight")
+    if not cfg.tie_word_embeddings:
+        out["lm_head.weight"] = linear("lm_head.weight")
+    return out
+
+
+def save_static(cfg: ModelConfig, weights: dict[str, np.ndarray], out_dir: str | Path) -> Path:
+    """Trace the paged graph, load `weights` into it and save rank_0/model.json + model.pdiparams."""
+    shapes = param_shapes(cfg)
+    for name, shape in shapes.items():
+        if list(weights[name].shape) != shape:
+            raise ValueError(f"weight {name}: shape {list(weights[name].shape)}, expected {shape}")
+    prefix = Path(out_dir) / "rank_0" / "model"
+    was_dynamic = paddle.in_dynamic_mode()
+    paddle.enable_static()
+    try:
+        main, startup, feeds, logits = build_paged_program(cfg)
+        scope, place = paddle.static.Scope(), paddle.CPUPlace()
+        with paddle.static.scope_guard(scope):
+            exe = paddle.static.Executor(place)
+            exe.run(startup)
+            for name in shapes:
+                scope.find_var(name).get_tensor().set(np.ascontiguousarray(weights[name], np.float32), place)
+            paddle.static.save_inference_model(str(prefix), feeds, [logits], exe, program=main)
+    finally:
+        if was_dynamic:
+            paddle.disable_static()
+    program = prefix.with_suffix(".json")
+    inplace = program.read_text().count('"1.scatter_"')
+    if inplace != 2 * cfg.num_hidden_layers:  # a Paddle upgrade that drops in-place ops must fail loudly
+        raise RuntimeError(f"{program}: expected {2 * cfg.num_hidden_layers} in-place cache writes, found {inplace}")
+    return prefix.parent
+
+
+def _write_config(cfg: ModelConfig, out_dir: Path) -> None:
+    cfg32 = dataclasses.replace(cfg, dtype="float32")
+    (out_dir / "config.json").write_text(json.dumps(cfg32.to_hf_dict(), indent=2, sort_keys=True) + "\n")
+
+
+def export_weights(cfg: ModelConfig, weights: dict[str, np.ndarray], out_dir: str | Path) -> Path:
+    """config.json + rank_0/ for the given weights (in `param_shapes` layout); other files are kept."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_static(cfg, weights, out)
+    _write_config(cfg, out)
+    return out
+
+
+def export_random(model_config: ModelConfig, out_dir: str | Path, seed: int = 0) -> Path:
+    """A model with seeded random weights; files are identical byte for byte for the same seed.
+
+    Files already in out_dir (tokenizer) are kept.
+    """
+    out = export_weights(model_config, random_weights(model_config, seed), out_dir)
+    gen = out / "generation_config.json"
+    if not gen.exists():
+        eos = list(model_config.eos_token_ids)
+        gen_cfg = {"bos_token_id": model_config.bos_token_id, "eos_token_id": eos[0] if len(eos) == 1 else eos}
+        gen.write_text(json.dumps(gen_cfg, indent=2, sort_keys=True) + "\n")
+    return out
+
+
+def export_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
+    """Export a HF Llama/Qwen2 safetensors checkpoint; tokenizer and generation config are copied."""
+    src, out = Path(hf_dir), Path(out_dir)
+    raw = json.loads((src / "config.json").read_text())
+    _check_supported(raw)
+    cfg = ModelConfig.from_dict(raw)
+    export_weights(cfg, load_hf_weights(src, cfg), out)
+    for f in src.iterdir():
+        if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_SUFFIXES + (".index.json",)):
+            shutil.copy2(f, out / f.name)
+    return out

@@ -1,0 +1,76 @@
+"""The contract between the engine and a model runner.
+
+The engine decides *what* runs (which tokens of which requests, in which KV
+blocks); a runner decides *how*: it owns the weights, the KV cache and the
+sampler, so a CUDA runner can keep penalties, seeds and sampling on the device
+and replay CUDA graphs without the engine changing.
+
+One `execute` call runs one step over a mixed batch: prefill chunks (many
+tokens of one request, causal among themselves and attending to the cached
+prefix) and decode tokens (one token each). Every chunk writes its tokens'
+K/V into the request's blocks: token at position p lives in slot
+`block_table[p // block_size] * block_size + p % block_size`.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+from llmserve.engine.request import Request
+
+
+@dataclass
+class SeqChunk:
+    request: Request
+    start: int  # position of the chunk's first token (== tokens already in the cache)
+    num_tokens: int
+    sample: bool  # True when the chunk ends at the request's last token: sample the next one
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.token_ids_slice(self.start, self.start + self.num_tokens)
+
+
+@dataclass
+class StepBatch:
+    chunks: list[SeqChunk]
+    # Requests that left since the last step (finished, aborted, preempted):
+    # a runner drops per-request state it keeps (sampler generators, penalty counts)
+    # for finished ones; preempted ones come back later with the same req_id.
+    finished_req_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float  # of the sampled token
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class StepResult:
+    # One entry per chunk with sample=True, in batch order.
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None] | None = None
+    model_time: float = 0.0  # seconds inside the model run (for host-overhead accounting)
+    sample_time: float = 0.0  # seconds sampling (host samplers; 0 when fused on the device)
+
+
+class ModelRunner(abc.ABC):
+    """Runs the model over the paged KV cache and samples next tokens."""
+
+    block_size: int
+    num_kv_blocks: int  # decided at construction (BLOCK_BS or free memory)
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+
+    @abc.abstractmethod
+    def execute(self, batch: StepBatch) -> StepResult: ...
+
+    def shutdown(self) -> None:  # noqa: B027 - optional hook
+        """Release device memory and helper threads."""

@@ -1,0 +1,160 @@
+"""ModelRunner over a Paddle static graph (`paddle.inference`), CPU here, GPU with paddlepaddle-gpu.
+
+The graph (docs/model_format.md) takes one packed step and writes its K/V into per-layer
+caches in place. The caches are Paddle tensors owned here and bound to the predictor once
+(`share_external_data`); each step only copies the small index arrays in.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import paddle
+import paddle.inference as paddle_infer
+
+from llmserve.config import Config
+from llmserve.models.config import ModelConfig
+from llmserve.models.layout import ModelFormatError, detect_model_format, paddle_program_path
+from llmserve.models.llama_paddle import INPUT_SPECS, cache_names
+from llmserve.runners.base import ModelRunner, SeqChunk, StepBatch, StepResult
+from llmserve.runners.paddle.inputs import build_step_inputs
+from llmserve.runners.paddle.opcheck import check_kernels
+
+GIB = 1 << 30
+
+
+def mem_available() -> int:
+    """Bytes the kernel reports as available (MemAvailable in /proc/meminfo)."""
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not found in /proc/meminfo")
+
+
+def _eos_ids(model_dir: Path, mc: ModelConfig) -> frozenset[int]:
+    ids = set(mc.eos_token_ids)
+    gen = model_dir / "generation_config.json"
+    if gen.is_file():  # chat models often list extra end tokens there (e.g. <|im_end|>)
+        eos = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return frozenset(ids)
+
+
+class PaddleRunner(ModelRunner):
+    def __init__(self, model_dir: str, config: Config, sampler):
+        self.model_dir = Path(model_dir)
+        if detect_model_format(self.model_dir) != "paddle":
+            raise ModelFormatError(
+                f"{model_dir} is a Hugging Face checkpoint; the paddle runner needs a static-graph export "
+                "(rank_0/model.json + model.pdiparams): export it with llmserve.models.export.export_hf "
+                "or use the torch runner"
+            )
+        unsupported = [f"MP_NUM={config.mp_num} (tensor parallel)"] if config.mp_num > 1 else []
+        unsupported += ["USE_CACHE_KV_INT8=1"] if config.use_cache_kv_int8 else []
+        if unsupported:
+            raise ValueError(f"the paddle runner does not support {', '.join(unsupported)}; use the torch runner")
+        self.config = config
+        self.sampler = sampler
+        self.model_config = mc = ModelConfig.from_file(config.model_config_path or self.model_dir / "config.json")
+        self.device = "gpu" if paddle.is_compiled_with_cuda() and config.device != "cpu" else "cpu"
+        program = paddle_program_path(self.model_dir)
+        check_kernels(program, self.device)  # before the predictor: name every op we cannot run
+        self.predictor = self._create_predictor(program, self.model_dir / "rank_0" / "model.pdiparams")
+        self._check_inputs(mc)
+
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_seq_len, mc.max_position_embeddings)
+        self.vocab_size = mc.vocab_size
+        self.eos_token_ids = _eos_ids(self.model_dir, mc)
+        kv_dim = mc.num_key_value_heads * mc.head_dim
+        block_bytes = 2 * mc.num_hidden_layers * config.block_size * kv_dim * 4  # K and V, all layers, float32
+        self.num_kv_blocks = self._num_kv_blocks(config, mc, block_bytes)
+        self.kv_caches: list[paddle.Tensor] = []
+        for name in cache_names(mc.num_hidden_layers):
+            cache = paddle.zeros([self.num_kv_blocks * self.block_size, kv_dim], "float32")
+            if self.device == "cpu" and not cache.place.is_cpu_place():  # GPU build told to run on CPU
+                cache = cache.cpu()
+            self.predictor.get_input_handle(name).share_external_data(cache)  # bound once, written in place
+            self.kv_caches.append(cache)
+        self._inputs = {name: self.predictor.get_input_handle(name) for name, _, _ in INPUT_SPECS}
+        self._logits = self.predictor.get_output_handle(self.predictor.get_output_names()[0])
+
+    def _create_predictor(self, program: Path, params: Path):
+        cfg = paddle_infer.Config(str(program), str(params))
+        if self.device == "gpu":
+            cfg.enable_use_gpu(256, 0)
+        else:
+            cfg.disable_gpu()
+            # oneDNN picks kernels by shape and can change results run to run; opt in for speed.
+            if os.environ.get("LLMSERVE_PADDLE_MKLDNN", "0") == "1":
+                cfg.enable_mkldnn()
+                # Paddle 3.3's pass folds our dynamic-shape reshapes into the wrong output type.
+                cfg.delete_pass("operator_reshape_onednn_fuse_pass")
+            else:
+                cfg.disable_mkldnn()
+            threads = int(os.environ.get("LLMSERVE_PADDLE_THREADS", "0")) or len(os.sched_getaffinity(0))
+            cfg.set_cpu_math_library_num_threads(threads)
+        cfg.switch_ir_optim(True)
+        cfg.disable_glog_info()
+        return paddle_infer.create_predictor(cfg)
+
+    def _check_inputs(self, mc: ModelConfig) -> None:
+        expected = [name for name, _, _ in INPUT_SPECS] + cache_names(mc.num_hidden_layers)
+        found = self.predictor.get_input_names()
+        if sorted(expected) != sorted(found):
+            raise ModelFormatError(
+                f"{self.model_dir}: the graph's inputs do not follow our contract (docs/model_format.md); "
+                f"expected {expected}, found {found}. Re-export the model with llmserve.models.export."
+            )
+
+    def _num_kv_blocks(self, config: Config, mc: ModelConfig, bytes_per_block: int) -> int:
+        fixed = config.num_kv_blocks_from_block_bs
+        if fixed is not None:
+            return fixed
+        # Activations of the largest step: attention scores (tokens x heads x context, a few
+        # copies), MLP and hidden states. The predictor (weights) is already loaded.
+        tokens, ctx = config.max_num_batched_tokens, self.max_model_len
+        act = 4 * tokens * (3 * mc.num_attention_heads * ctx + 3 * mc.intermediate_size + 8 * mc.hidden_size)
+        budget = config.kv_cache_memory_fraction * mem_available() - act - GIB // 4
+        blocks = min(int(budget // bytes_per_block), config.batch_size * config.max_blocks_per_seq)
+        if blocks < config.max_blocks_per_seq:
+            raise MemoryError(
+                f"KV cache: memory for {max(blocks, 0)} blocks of {config.block_size} tokens, fewer than one "
+                f"MAX_SEQ_LEN={config.max_seq_len} sequence needs ({config.max_blocks_per_seq}); "
+                "lower MAX_SEQ_LEN / MAX_PREFILL_TOKENS or set BLOCK_BS"
+            )
+        return blocks
+
+    def forward(self, chunks: list[SeqChunk]) -> tuple[np.ndarray, float]:
+        """Run one step; logits [N, V] of the chunks with sample=True (in order) and model seconds."""
+        inputs = build_step_inputs(chunks, self.block_size)
+        if inputs["block_tables"].max() >= self.num_kv_blocks:  # the graph would write out of the cache
+            raise ValueError(f"block id {inputs['block_tables'].max()} >= num_kv_blocks {self.num_kv_blocks}")
+        for name, handle in self._inputs.items():
+            handle.copy_from_cpu(inputs[name])
+        t0 = time.perf_counter()
+        self.predictor.run()
+        logits = self._logits.copy_to_cpu()
+        return logits[: int(inputs["num_logits"])], time.perf_counter() - t0
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        if batch.finished_req_ids:
+            self.sampler.drop(batch.finished_req_ids)
+        logits, model_time = self.forward(batch.chunks)
+        requests = [c.request for c in batch.chunks if c.sample]
+        if not requests:
+            return StepResult(token_ids=[], model_time=model_time)
+        t0 = time.perf_counter()
+        token_ids, logprobs = self.sampler.sample(logits, requests)
+        sample_time = time.perf_counter() - t0
+        return StepResult(token_ids=list(token_ids), logprobs=logprobs, model_time=model_time, sample_time=sample_time)
+
+    def shutdown(self) -> None:
+        self.kv_caches = []
+        self._inputs = {}
+        self.predictor = None

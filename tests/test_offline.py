@@ -1,0 +1,84 @@
+"""Offline use: the demo model export, `llmserve generate` and `LLM().generate`."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+
+import pytest
+
+from llmserve.engine.llm import LLM
+from llmserve.engine.sampling_params import SamplingParams
+
+SEED = random.SystemRandom().randrange(1 << 20)
+PROMPTS = ["Hello, world", "你好，世界！🙂", "The quick brown fox"]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "llmserve.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    out = tmp_path_factory.mktemp("demo")
+    r = _cli("export", "--demo", "--out", str(out), "--seed", str(SEED))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_demo_export_is_deterministic(demo_dir, tmp_path):
+    r = _cli("export", "--demo", "--out", str(tmp_path), "--seed", str(SEED))
+    assert r.returncode == 0, r.stderr
+    for f in sorted(p for p in demo_dir.rglob("*") if p.is_file()):
+        assert (tmp_path / f.relative_to(demo_dir)).read_bytes() == f.read_bytes(), f.name
+    cfg = json.loads((demo_dir / "config.json").read_text())
+    assert cfg["num_key_value_heads"] < cfg["num_attention_heads"]  # GQA
+    tok_cfg = json.loads((demo_dir / "tokenizer_config.json").read_text())
+    assert "chat_template" in tok_cfg
+
+
+def test_generate_cli_matches_python_api_and_solo_runs(demo_dir):
+    args = ["generate", "--model", str(demo_dir), "--max-tokens", "12", "--temperature", "0"]
+    for p in PROMPTS:
+        args += ["--prompt", p]
+    r = _cli(*args)
+    assert r.returncode == 0, r.stderr
+    lines = [json.loads(x) for x in r.stdout.splitlines()]
+    assert [x["prompt"] for x in lines] == PROMPTS
+    for x in lines:
+        assert set(x) == {"prompt", "prompt_token_ids", "text", "token_ids", "finish_reason"}
+        assert x["finish_reason"] in ("stop", "length") and 1 <= len(x["token_ids"]) <= 12
+
+    llm = LLM(str(demo_dir))
+    greedy = SamplingParams(temperature=0, max_tokens=12)
+    together = llm.generate(PROMPTS, greedy)
+    assert [(g.token_ids, g.text) for g in together] == [(x["token_ids"], x["text"]) for x in lines]
+    for p, g in zip(PROMPTS, together):
+        assert llm.generate(p, greedy)[0].token_ids == g.token_ids
+        assert g.text == llm.tokenizer.decode(g.token_ids)
+
+
+def test_stop_string_cuts_the_text(demo_dir):
+    llm = LLM(str(demo_dir))
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    # Random weights: take the first prompt whose greedy text is long enough to hold a stop string.
+    bases = llm.generate(["Once upon a time", "Hello", "1 2 3", "abc", "The end"], params)
+    prompt, base = next(
+        (p, b) for p, b in zip(["Once upon a time", "Hello", "1 2 3", "abc", "The end"], bases) if len(b.text) >= 6
+    )
+    text = base.text
+    stop = text[3:5]
+    cut = text.index(stop)
+    res = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert res.finish_reason == "stop"
+    assert res.text == text[:cut]
+    assert res.token_ids == base.token_ids[: len(res.token_ids)]
+
+
+def test_bad_model_dir_is_a_clear_error(tmp_path):
+    (tmp_path / "weights.bin").write_bytes(b"x")
+    r = _cli("generate", "--model", str(tmp_path), "--prompt", "hi")
+    assert r.returncode == 2
+    assert "expected" in r.stderr.lower() and "weights.bin" in r.stderr
