@@ -1,0 +1,398 @@
+#!/usr/bin/env python3
+"""GPU benchmark of the torch runner (issue 5): one run, one table, one JSON.
+
+Builds (or reuses) a random-weight Llama-3-8B-shaped bf16 checkpoint, then measures:
+  - device-to-device copy bandwidth, and the decode floor = weight bytes / bandwidth;
+  - single-stream decode ms/step (prompt 128, 256 new tokens) through LLMEngine + TorchRunner;
+  - time to first token of one 1024-token prompt;
+  - offline throughput: 256 seeded requests, prompt len U[128, 1024], output len U[64, 512], all at once;
+    checks that every request got exactly its output length;
+  - host overhead per step (step wall time minus the GPU time of the step) at batch >= 200;
+  - HF transformers baselines on the same weights: static-cache compiled generate (batch 1) and
+    generate_batch (continuous batching) on a subset of the same requests.
+Ours runs first and the JSON is rewritten after every section, so a time limit loses only the tail.
+
+Usage: PYTHONPATH=server python scripts/bench_gpu.py --out bench.json [--shape llama3-8b] [--skip-hf]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmserve.config import Config
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.request import Request
+from llmserve.engine.sampling_params import SamplingParams
+from llmserve.runners.base import SeqChunk, StepBatch
+from llmserve.runners.torch.random_model import write_random_checkpoint
+from llmserve.runners.torch.runner import TorchRunner
+
+R: dict = {}
+
+
+def save(out: str) -> None:
+    Path(out).write_text(json.dumps(R, indent=1))
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Bytes read + written per second by a device-to-device copy (median of 20)."""
+    n = int(gib * (1 << 30)) // 2
+    a = torch.randn(n // 2, device="cuda", dtype=torch.float32).view(torch.bfloat16)
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(23):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        b.copy_(a)
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n * 2 / statistics.median(times[3:])
+
+
+def run_engine(engine: LLMEngine, reqs: list[tuple[str, list[int], SamplingParams]], trace: list | None = None):
+    """Submit all, step until done; returns {req_id: tokens}, first-token times, wall time."""
+    got: dict[str, list[int]] = {}
+    first: dict[str, float] = {}
+    t0 = time.perf_counter()
+    for rid, ids, p in reqs:
+        engine.add_request(rid, ids, p)
+        got[rid] = []
+    while engine.has_unfinished():
+        ts = time.perf_counter()
+        outs = engine.step()
+        te = time.perf_counter()
+        if trace is not None:
+            trace.append((ts, te, len(outs)))
+        for o in outs:
+            if o.new_token_ids and o.req_id not in first:
+                first[o.req_id] = te - t0
+            got[o.req_id] += o.new_token_ids
+    return got, first, time.perf_counter() - t0
+
+
+class StepTimer:
+    """Wraps runner.execute to record (batch size, tokens, model_time, wall time) per step."""
+
+    def __init__(self, runner: TorchRunner) -> None:
+        self.inner = runner.execute
+        self.steps: list[tuple[int, int, float, float]] = []
+        runner.execute = self
+
+    def __call__(self, batch):
+        t = time.perf_counter()
+        res = self.inner(batch)
+        self.steps.append((len(batch.chunks), batch.num_tokens, res.model_time, time.perf_counter() - t))
+        return res
+
+
+def bench_ours(model_dir: str, weight_bytes_hint: int, bw: float, seed: int, out: str, n_req: int) -> None:
+    cfg = Config(
+        batch_size=256, max_seq_len=2048, block_size=64, max_num_batched_tokens=2048, enable_prefix_caching=False
+    )
+    t = time.perf_counter()
+    runner = TorchRunner(model_dir, cfg)
+    R["ours_load_s"] = time.perf_counter() - t
+    R["weight_bytes"] = wb = runner.model.weight_bytes
+    R["decode_floor_ms"] = wb / bw * 1e3
+    R["kv_blocks"] = runner.num_kv_blocks
+    R["kv_cache_gb"] = runner.kv_cache.numel() * runner.kv_cache.element_size() / 1e9
+    timer = StepTimer(runner)
+    engine = LLMEngine(cfg, runner)
+    rng = np.random.default_rng(seed)
+    V = runner.vocab_size
+    greedy = dict(temperature=0.0, ignore_eos=True)
+
+    # warm-up (all graph buckets were captured at start; this compiles the prefill path)
+    run_engine(engine, [("w", rng.integers(0, V, 300).tolist(), SamplingParams(max_tokens=8, **greedy))])
+    run_engine(
+        engine,
+        [(f"w{i}", rng.integers(0, V, 900).tolist(), SamplingParams(max_tokens=6, temperature=1.0)) for i in range(6)],
+    )  # mixed steps and sampling
+
+    # single stream: prompt 128, 256 new tokens
+    timer.steps.clear()
+    trace: list = []
+    got, first, wall = run_engine(
+        engine, [("s", rng.integers(0, V, 128).tolist(), SamplingParams(max_tokens=256, **greedy))], trace
+    )
+    dec = trace[1:]  # steps after the prefill step
+    R["single_stream_ms_per_step"] = (dec[-1][1] - dec[0][0]) / len(dec) * 1e3
+    R["single_stream_gpu_ms_per_step"] = statistics.median(s[2] for s in timer.steps[1:]) * 1e3
+    R["single_stream_vs_floor"] = R["single_stream_ms_per_step"] / R["decode_floor_ms"]
+    save(out)
+
+    # TTFT: fresh 1024-token prompts (no prefix cache), median of 5
+    ttfts = []
+    for i in range(5):
+        _, first, _ = run_engine(
+            engine, [(f"t{i}", rng.integers(0, V, 1024).tolist(), SamplingParams(max_tokens=1, **greedy))]
+        )
+        ttfts.append(first[f"t{i}"])
+    R["ttft_1024_ms"] = statistics.median(ttfts) * 1e3
+    save(out)
+
+    # offline throughput
+    rs = np.random.default_rng(1234)
+    plen = rs.integers(128, 1025, n_req)
+    olen = rs.integers(64, 513, n_req)
+    reqs = [
+        (
+            f"q{i}",
+            rs.integers(0, V, int(plen[i])).tolist(),
+            SamplingParams(max_tokens=int(olen[i]), temperature=0.8, seed=i, ignore_eos=True),
+        )
+        for i in range(n_req)
+    ]
+    R["throughput_requests"] = [(r[0], len(r[1]), r[2].max_tokens) for r in reqs]
+    timer.steps.clear()
+    got, first, wall = run_engine(engine, reqs)
+    n_out = sum(len(v) for v in got.values())
+    bad = [rid for rid, ids, p in reqs if len(got[rid]) != p.max_tokens]
+    R["throughput_output_tokens"] = n_out
+    R["throughput_wall_s"] = wall
+    R["throughput_tok_s"] = n_out / wall
+    R["throughput_total_tok_s"] = (n_out + int(plen.sum())) / wall
+    R["throughput_requests_bad"] = bad
+    st = engine.stats()
+    R["engine_stats"] = {k: getattr(st, k) for k in vars(st)}
+    steps = timer.steps
+    big = [s for s in steps if s[0] >= 200 and s[1] == s[0]]  # decode-only steps at batch >= 200
+    if big:
+        R["batch256_decode_steps"] = len(big)
+        R["batch256_step_gpu_ms"] = statistics.median(s[2] for s in big) * 1e3
+        R["batch256_execute_wall_ms"] = statistics.median(s[3] for s in big) * 1e3
+    # engine-level host overhead: whole step wall time minus GPU time, over the steps of the run
+    R["host_overhead_ms_per_step"] = (st.step_time - st.model_time) / max(1, st.steps) * 1e3
+    R["steps"] = st.steps
+    R["step_trace"] = [(b, n, round(g * 1e3, 3), round(w * 1e3, 3)) for b, n, g, w in steps]
+    mixed = [x for x in steps if x[1] != x[0]]
+    R["mixed_steps"] = dict(
+        n=len(mixed), gpu_s=sum(x[2] for x in mixed), max_ms=max((x[2] for x in mixed), default=0) * 1e3
+    )
+    R["decode_steps"] = dict(n=len(steps) - len(mixed), gpu_s=sum(x[2] for x in steps if x[1] == x[0]))
+    save(out)
+    try:
+        profile_steps(runner, out)
+    except Exception as e:  # noqa: BLE001 - report and go on
+        R["profile_error"] = repr(e)[:500]
+    save(out)
+    del R["throughput_requests"]
+    runner.shutdown()
+    del engine, runner, timer
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def synthetic(runner: TorchRunner, ctxs: list[int], q_lens: list[int]) -> StepBatch:
+    """A step over fake requests with contexts `ctxs` and chunks of `q_lens` (blocks laid out in order)."""
+    bs, nxt, chunks = runner.block_size, 0, []
+    for i, (c, q) in enumerate(zip(ctxs, q_lens)):
+        r = Request(f"x{i}", [1] * (c + q), SamplingParams(max_tokens=4, temperature=0.0))
+        n = -(-(c + q) // bs)
+        r.block_table = list(range(nxt, nxt + n))
+        nxt += n
+        chunks.append(SeqChunk(r, c, q, True))
+    assert nxt <= runner.num_kv_blocks
+    return StepBatch(chunks)
+
+
+def gpu_ms(fn, reps: int = 10) -> float:
+    fn()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / reps
+
+
+@torch.inference_mode()
+def profile_steps(runner: TorchRunner, out: str) -> None:
+    """Step times (graph vs eager) and the kernel split of decode at batch 1 and 256 and a mixed step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from llmserve.runners.torch.inputs import host_arrays
+
+    rng = np.random.default_rng(0)
+    cases = {
+        "decode_b1_ctx256": synthetic(runner, [256], [1]),
+        "decode_b256_ctx700": synthetic(runner, rng.integers(400, 1000, 256).tolist(), [1] * 256),
+        "mixed_200dec_1848pf": synthetic(runner, rng.integers(400, 1000, 200).tolist() + [0], [1] * 200 + [1848]),
+    }
+    prof: dict = {}
+    m = runner.model
+    for name, batch in cases.items():
+        a = host_arrays(batch.chunks, runner.block_size)
+        x = runner.prepare(batch, a)
+
+        def eager(x=x):
+            return m.logits(m.forward(x.input_ids, x.positions, x.slot_mapping, x.meta, runner.kv_cache))
+
+        d = {"eager_ms": gpu_ms(eager)}
+        if runner.graphs is not None and a["ids"].shape[0] == len(batch.chunks):
+            d["graph_ms"] = gpu_ms(lambda a=a: runner.graphs.replay(a))
+        with profile(activities=[ProfilerActivity.CUDA]) as p:
+            eager()
+            torch.cuda.synchronize()
+        ev = sorted(p.key_averages(), key=lambda e: -e.device_time_total)[:12]
+        d["kernels"] = [(e.key[:80], e.count, round(e.device_time_total / 1e3, 3)) for e in ev]
+        prof[name] = d
+        print(name, {k: v for k, v in d.items() if k != "kernels"}, flush=True)
+        for k in d["kernels"]:
+            print("   ", k)
+    # attention alone at batch 256, context 1024: bytes of K and V read once
+    kv = runner.kv_cache
+    batch = synthetic(runner, [1024] * 256, [1] * 256)
+    x = runner.prepare(batch, host_arrays(batch.chunks, runner.block_size))
+    from llmserve.runners.torch.kernels.attention import paged_attention
+
+    mc = runner.model_config
+    q = torch.randn(256, mc.num_attention_heads, mc.head_dim, device="cuda", dtype=runner.dtype)
+    ms = gpu_ms(lambda: paged_attention(q, kv[0, 0], kv[0, 1], x.meta, 0.1), reps=20)
+    nbytes = 2 * 256 * 1025 * mc.num_key_value_heads * mc.head_dim * 2
+    prof["attn_decode_b256_ctx1024"] = {"ms": ms, "tb_s": nbytes / ms / 1e9}
+    print("attention b256 ctx1024:", prof["attn_decode_b256_ctx1024"], flush=True)
+    R["profile"] = prof
+
+
+def bench_hf(model_dir: str, seed: int, out: str, n_req: int, subset: int, full_budget_s: float) -> None:
+    import transformers
+    from transformers import GenerationConfig
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
+    V = model.config.vocab_size
+    rng = np.random.default_rng(seed)
+    ids = torch.tensor([rng.integers(0, V, 128).tolist()], device="cuda")
+    kw = dict(do_sample=False, pad_token_id=0, eos_token_id=None, attention_mask=torch.ones_like(ids))
+    # static cache + compiled step (transformers compiles the forward when the cache is static)
+    try:
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=256, min_new_tokens=256, cache_implementation="static", **kw)
+        R["hf_static_compile_s"] = time.perf_counter() - t
+        times = []
+        for _ in range(2):
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            o = model.generate(ids, max_new_tokens=256, min_new_tokens=256, cache_implementation="static", **kw)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - t)
+        R["hf_static_ms_per_step"] = min(times) / (o.shape[1] - 128) * 1e3
+    except Exception as e:  # noqa: BLE001 - report and go on
+        R["hf_static_error"] = repr(e)[:500]
+    save(out)
+    # continuous batching on a subset of the same requests
+    try:
+        rs = np.random.default_rng(1234)
+        plen = rs.integers(128, 1025, n_req)
+        olen = rs.integers(64, 513, n_req)
+        all_prompts = [rs.integers(0, V, int(plen[i])).tolist() for i in range(n_req)]
+        prompts = all_prompts[:subset]
+        new = int(np.mean(olen))
+        gc_ = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=None, pad_token_id=0)
+        model.generate_batch(inputs=prompts[:4], generation_config=gc_)  # warm-up
+        t = time.perf_counter()
+        res = model.generate_batch(inputs=prompts, generation_config=gc_)
+        wall = time.perf_counter() - t
+        n_out = sum(len(r.generated_tokens) for r in res.values())
+        R["hf_generate_batch"] = dict(
+            requests=len(prompts), max_new_tokens=new, output_tokens=n_out, wall_s=wall, tok_s=n_out / wall
+        )
+        save(out)
+        est = n_req * new / (n_out / wall)
+        if subset < n_req and est < full_budget_s:  # all requests, when the subset says they fit in time
+            prompts = all_prompts
+            t = time.perf_counter()
+            res = model.generate_batch(inputs=prompts, generation_config=gc_)
+            wall = time.perf_counter() - t
+            n_out = sum(len(r.generated_tokens) for r in res.values())
+            R["hf_generate_batch"] = dict(
+                requests=len(prompts),
+                max_new_tokens=new,
+                output_tokens=n_out,
+                wall_s=wall,
+                tok_s=n_out / wall,
+                subset_64=R["hf_generate_batch"],
+            )
+    except Exception as e:  # noqa: BLE001
+        R["hf_generate_batch_error"] = repr(e)[:500]
+    save(out)
+
+
+def table() -> str:
+    rows = [
+        ("device", R.get("device")),
+        ("copy bandwidth (TB/s)", R.get("copy_tb_s")),
+        ("weights (GB)", R.get("weight_bytes", 0) / 1e9),
+        ("decode floor (ms/step)", R.get("decode_floor_ms")),
+        ("ours: single-stream decode (ms/step)", R.get("single_stream_ms_per_step")),
+        ("ours: single-stream GPU time (ms/step)", R.get("single_stream_gpu_ms_per_step")),
+        ("ours / floor", R.get("single_stream_vs_floor")),
+        ("HF static+compiled generate (ms/step)", R.get("hf_static_ms_per_step")),
+        ("ours: TTFT 1024-token prompt (ms)", R.get("ttft_1024_ms")),
+        ("ours: offline throughput (output tok/s)", R.get("throughput_tok_s")),
+        (
+            "ours: requests lost/truncated",
+            len(R.get("throughput_requests_bad", [])) if "throughput_tok_s" in R else None,
+        ),
+        ("HF generate_batch (output tok/s)", (R.get("hf_generate_batch") or {}).get("tok_s")),
+        (
+            "ours / HF generate_batch",
+            (R["throughput_tok_s"] / R["hf_generate_batch"]["tok_s"])
+            if "hf_generate_batch" in R and "throughput_tok_s" in R
+            else None,
+        ),
+        ("ours: batch>=200 decode step, GPU (ms)", R.get("batch256_step_gpu_ms")),
+        ("ours: batch>=200 decode step, execute wall (ms)", R.get("batch256_execute_wall_ms")),
+        ("ours: host overhead per engine step (ms)", R.get("host_overhead_ms_per_step")),
+    ]
+    w = max(len(r[0]) for r in rows)
+    fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
+    return "\n".join(f"{k:<{w}}  {fmt(v)}" for k, v in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_gpu.json")
+    ap.add_argument("--shape", default="llama3-8b")
+    ap.add_argument("--model-dir", default="")
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--hf-subset", type=int, default=64)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-full-budget", type=float, default=150.0, help="run HF on all requests if it fits (s)")
+    ap.add_argument("--skip-ours", action="store_true")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    R["device"] = torch.cuda.get_device_name()
+    R["torch"] = torch.__version__
+    R["copy_tb_s"] = copy_bandwidth() / 1e12
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    model_dir = args.model_dir or f"{root}/llmserve-random-v2-{args.shape}"
+    t = time.perf_counter()
+    write_random_checkpoint(model_dir, args.shape)
+    R["build_model_s"] = time.perf_counter() - t
+    bw = R["copy_tb_s"] * 1e12
+    save(args.out)
+    if not args.skip_ours:
+        bench_ours(model_dir, 0, bw, args.seed, args.out, args.requests)
+        print(table(), flush=True)
+    if not args.skip_hf:
+        bench_hf(model_dir, args.seed, args.out, args.requests, args.hf_subset, args.hf_full_budget)
+    save(args.out)
+    print(table())
+
+
+if __name__ == "__main__":
+    main()

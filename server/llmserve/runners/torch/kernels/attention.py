@@ -1,0 +1,290 @@
+"""Attention over the paged KV cache for a packed mixed batch.
+
+One launch serves every chunk of a step: prefill chunks (causal among their
+own tokens, attending to the cached prefix) and decode tokens alike. The KV
+cache of a layer is `[num_blocks, KVH, block_size, D]`; chunk b's key at
+position p lives in block `block_tables[b, p // block_size]`.
+
+Grid: (work item, KV head, split). A work item is BLOCK_T query tokens of one
+chunk; its tile holds those tokens times the GROUP query heads that share the
+KV head, so each K/V tile is read once for the whole group (GQA). Decode-only
+batches with few sequences split each context over `num_splits` programs
+(split-KV) and merge the partial results by their log-sum-exp, so a batch of
+one still spreads over the GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import next_pow2, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass
+class AttnMeta:
+    """Per-step attention layout (device tensors, int32)."""
+
+    cu_q: torch.Tensor  # [B+1] offsets of each chunk's tokens in the packed batch
+    seq_lens: torch.Tensor  # [B] tokens in the cache once this step's are written (context + chunk)
+    block_tables: torch.Tensor  # [B, max_blocks]
+    item_seq: torch.Tensor  # [I] chunk of each work item
+    item_qstart: torch.Tensor  # [I] first query token (within its chunk) of each work item
+    block_t: int  # query tokens per work item
+    num_splits: int = 1
+    # Mixed batches: decode chunks get their own launch with small tiles (a 1-token
+    # chunk in a 128-row prefill tile would waste 31/32 of its matrix work).
+    dec_item_seq: torch.Tensor | None = None
+    dec_item_qstart: torch.Tensor | None = None
+    dec_block_t: int = 0
+
+
+def group_pad(num_heads: int, num_kv_heads: int) -> int:
+    return next_pow2(num_heads // num_kv_heads)
+
+
+def tile_tokens(num_heads: int, num_kv_heads: int, decode_only: bool) -> int:
+    """BLOCK_T: query tokens per program; the tile has BLOCK_T * GROUP_PAD rows (>= 16 for tl.dot)."""
+    gp = group_pad(num_heads, num_kv_heads)
+    rows = 16 if decode_only else 128
+    return max(1, rows // gp)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["num_splits", "stride_bt", "stride_pt", "stride_lt"])
+    def _paged_attn_kernel(
+        q_ptr,
+        k_ptr,
+        v_ptr,
+        out_ptr,
+        po_ptr,
+        pl_ptr,
+        bt_ptr,
+        seq_lens_ptr,
+        cu_q_ptr,
+        item_seq_ptr,
+        item_qstart_ptr,
+        scale,
+        num_splits,
+        stride_qt,
+        stride_qh,
+        stride_ot,
+        stride_oh,
+        stride_cb,
+        stride_ch,
+        stride_bt,
+        stride_ps,
+        stride_pt,
+        stride_ls,
+        stride_lt,
+        GROUP: tl.constexpr,
+        GROUP_PAD: tl.constexpr,
+        BLOCK_T: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        BLOCK_SIZE: tl.constexpr,
+        SPLIT: tl.constexpr,
+    ):
+        item = tl.program_id(0)
+        kvh = tl.program_id(1)
+        split = tl.program_id(2)
+        seq = tl.load(item_seq_ptr + item)
+        qt0 = tl.load(item_qstart_ptr + item)
+        q_begin = tl.load(cu_q_ptr + seq)
+        q_len = tl.load(cu_q_ptr + seq + 1) - q_begin
+        kv_len = tl.load(seq_lens_ptr + seq)
+        ctx = kv_len - q_len
+
+        M: tl.constexpr = BLOCK_T * GROUP_PAD
+        r = tl.arange(0, M)
+        tok = qt0 + r // GROUP_PAD
+        g = r % GROUP_PAD
+        row_ok = (tok < q_len) & (g < GROUP)
+        head = kvh * GROUP + g
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        tok64 = (q_begin + tok).to(tl.int64)
+        q = tl.load(
+            q_ptr + tok64[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+            mask=row_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        q_pos = ctx + tok
+
+        kv_end = tl.minimum(kv_len, ctx + qt0 + BLOCK_T)  # causal: no key past the tile's last query
+        lo = 0
+        hi = kv_end
+        if SPLIT:
+            per = tl.cdiv(tl.cdiv(kv_end, num_splits), BLOCK_N) * BLOCK_N
+            lo = split * per
+            hi = tl.minimum(kv_end, lo + per)
+
+        m_i = tl.full([M], float("-inf"), tl.float32)
+        l_i = tl.zeros([M], tl.float32)
+        acc = tl.zeros([M, D_PAD], tl.float32)
+        n = tl.arange(0, BLOCK_N)
+        base = kvh.to(tl.int64) * stride_ch
+        for start in range(lo, hi, BLOCK_N):
+            pos = start + n
+            pos_ok = pos < hi
+            blk = tl.load(bt_ptr + seq.to(tl.int64) * stride_bt + pos // BLOCK_SIZE, mask=pos_ok, other=0)
+            off = base + blk.to(tl.int64) * stride_cb + (pos % BLOCK_SIZE) * HEAD_DIM
+            kv_mask = pos_ok[:, None] & d_ok[None, :]
+            k = tl.load(k_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            s = tl.dot(q, tl.trans(k)) * scale
+            s = tl.where(pos_ok[None, :] & (pos[None, :] <= q_pos[:, None]), s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            p = tl.exp2(s - m_safe[:, None])
+            alpha = tl.exp2(m_i - m_safe)
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(v_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        o_mask = row_ok[:, None] & d_ok[None, :]
+        if SPLIT:
+            po = (
+                po_ptr
+                + split.to(tl.int64) * stride_ps
+                + tok64[:, None] * stride_pt
+                + head[:, None] * HEAD_DIM
+                + d[None, :]
+            )
+            tl.store(po, out, mask=o_mask)
+            lse = tl.where(l_i == 0.0, float("-inf"), m_i + tl.log2(tl.where(l_i == 0.0, 1.0, l_i)))
+            tl.store(pl_ptr + split.to(tl.int64) * stride_ls + tok64 * stride_lt + head, lse, mask=row_ok)
+        else:
+            o = out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+            tl.store(o, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+    @triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_lt"])
+    def _merge_kernel(
+        po_ptr,
+        pl_ptr,
+        out_ptr,
+        num_heads,
+        num_splits,
+        stride_ps,
+        stride_pt,
+        stride_ls,
+        stride_lt,
+        stride_ot,
+        stride_oh,
+        HEAD_DIM: tl.constexpr,
+        D_PAD: tl.constexpr,
+        S_PAD: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1)
+        s = tl.arange(0, S_PAD)
+        s_ok = s < num_splits
+        lse = tl.load(pl_ptr + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
+        mx = tl.max(lse, axis=0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        w = tl.exp2(lse - mx)
+        w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
+        d = tl.arange(0, D_PAD)
+        d_ok = d < HEAD_DIM
+        po = tl.load(
+            po_ptr + s[:, None] * stride_ps + t * stride_pt + h * HEAD_DIM + d[None, :],
+            mask=s_ok[:, None] & d_ok[None, :],
+            other=0.0,
+        )
+        o = tl.sum(po * w[:, None], axis=0)
+        tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
+
+
+def paged_attention_ref(q, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
+    """q [T, H, D] (any strides) -> [T, H, D]; plain softmax attention per chunk."""
+    T, H, D = q.shape
+    kvh = k_cache.shape[1]
+    bs = k_cache.shape[2]
+    out = torch.zeros(T, H, D, dtype=q.dtype, device=q.device)
+    cu = meta.cu_q.tolist()
+    lens = meta.seq_lens.tolist()
+    for b in range(len(lens)):
+        q0, q1, kv_len = cu[b], cu[b + 1], lens[b]
+        if q1 == q0 or kv_len == 0:
+            continue
+        pos = torch.arange(kv_len, device=q.device)
+        blk = meta.block_tables[b, pos // bs].long()
+        k = k_cache[blk, :, pos % bs].float()  # [kv_len, KVH, D]
+        v = v_cache[blk, :, pos % bs].float()
+        k = k.repeat_interleave(H // kvh, dim=1)
+        v = v.repeat_interleave(H // kvh, dim=1)
+        s = torch.einsum("thd,khd->htk", q[q0:q1].float(), k) * scale
+        q_pos = torch.arange(kv_len - (q1 - q0), kv_len, device=q.device)
+        s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
+        out[q0:q1] = torch.einsum("htk,khd->thd", s.softmax(-1), v).to(q.dtype)
+    return out
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta, scale: float
+) -> torch.Tensor:
+    if not use_triton(q):
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+    T, H, D = q.shape
+    kvh, bs = k_cache.shape[1], k_cache.shape[2]
+    assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    group = H // kvh
+    gp = next_pow2(group)
+    d_pad = max(16, next_pow2(D))
+    split = meta.num_splits > 1
+    S = meta.num_splits
+    if split:
+        po = torch.empty(S, T, H, D, dtype=torch.float32, device=q.device)
+        pl = torch.empty(S, T, H, dtype=torch.float32, device=q.device)
+    else:
+        po, pl = out, out  # unused
+    launches = [(meta.item_seq, meta.item_qstart, meta.block_t)]
+    if meta.dec_item_seq is not None and meta.dec_item_seq.shape[0] > 0:
+        launches.append((meta.dec_item_seq, meta.dec_item_qstart, meta.dec_block_t))
+    for item_seq, item_qstart, block_t in launches:
+        if item_seq.shape[0] == 0:
+            continue
+        rows = block_t * gp
+        _paged_attn_kernel[(item_seq.shape[0], kvh, S)](
+            q, k_cache, v_cache, out, po, pl,
+            meta.block_tables, meta.seq_lens, meta.cu_q, item_seq, item_qstart,
+            scale * LOG2E, S,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), k_cache.stride(0), k_cache.stride(1),
+            meta.block_tables.stride(0),
+            po.stride(0) if split else 0, po.stride(1) if split else 0,
+            pl.stride(0) if split else 0, pl.stride(1) if split else 0,
+            GROUP=group, GROUP_PAD=gp, BLOCK_T=block_t, BLOCK_N=64, HEAD_DIM=D, D_PAD=d_pad,
+            BLOCK_SIZE=bs, SPLIT=split, num_warps=4 if rows <= 16 else 8, num_stages=2,
+        )  # fmt: skip
+    if split:
+        _merge_kernel[(T, H)](
+            po,
+            pl,
+            out,
+            H,
+            S,
+            po.stride(0),
+            po.stride(1),
+            pl.stride(0),
+            pl.stride(1),
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=D,
+            D_PAD=d_pad,
+            S_PAD=max(2, next_pow2(S)),
+            num_warps=4,
+        )
+    return out

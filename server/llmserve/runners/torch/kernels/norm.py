@@ -1,0 +1,73 @@
+"""RMSNorm, optionally fused with the residual add that precedes it.
+
+`rms_norm(x, w, eps, residual)`: with a residual, `residual += x` happens in
+place (in the residual's dtype: the model keeps the residual stream in fp32)
+and the norm is taken of the sum; one pass over the row instead of three.
+The output has x's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import next_pow2, use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(
+        x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        m = cols < n
+        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_RES:
+            s = x + tl.load(res_ptr + row * stride_r + cols, mask=m, other=0.0).to(tl.float32)
+            s = s.to(res_ptr.dtype.element_ty)
+            tl.store(res_ptr + row * stride_r + cols, s, mask=m)
+            x = s.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    dtype = x.dtype
+    if residual is not None:
+        residual.add_(x)
+        x = residual
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return w * y.to(dtype)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
+    if not use_triton(x):
+        return rms_norm_ref(x, w, eps, residual)
+    n = x.shape[-1]
+    out = torch.empty_like(x)
+    block = next_pow2(n)
+    res = residual if residual is not None else x
+    _rms_norm_kernel[(x.shape[0],)](
+        x,
+        res,
+        w,
+        out,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        n,
+        eps,
+        HAS_RES=residual is not None,
+        BLOCK=block,
+        num_warps=min(16, max(1, block // 256)),
+    )
+    return out

@@ -1,0 +1,95 @@
+"""Sampling by the Gumbel-max trick with counter-based noise.
+
+token = argmax(logits * inv_temp + gumbel(u)), u = hash(key, token id): each
+row's `key` comes from its request's seed and output index, so a seeded
+request draws the same token whatever batch it runs in, and no per-request
+generator (nor host sync) is needed. Rows with `inv_temp == 0` mean greedy:
+plain argmax, no noise. The hash is 32-bit integer mixing done in int64 so
+that the torch reference and the kernel produce the same bits.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+M32 = 0xFFFFFFFF
+
+
+def mix_key(seed: int, index: int) -> int:
+    """32-bit key of (request seed, output index); host side."""
+    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 31
+    x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    x ^= x >> 29
+    return x & M32
+
+
+def _noise_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[N] int64 keys -> [N, V] float32 uniforms in (0, 1)."""
+    x = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :]
+    x = ((x * 0x27D4EB2D) & M32) ^ keys[:, None]
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & M32
+    x = x ^ (x >> 16)
+    x = (x * 0x45D9F3B) & M32
+    x = x ^ (x >> 16)
+    return ((x >> 8).float() + 0.5) * (1.0 / 16777216.0)
+
+
+def gumbel_argmax_ref(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    u = _noise_ref(keys, logits.shape[1])
+    g = -torch.log(-torch.log(u))
+    noisy = inv_temp[:, None] > 0
+    scores = torch.where(noisy, logits * inv_temp[:, None] + g, logits)
+    return scores.argmax(dim=1)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gumbel_argmax_kernel(logits_ptr, inv_temp_ptr, keys_ptr, out_ptr, stride, vocab, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        it = tl.load(inv_temp_ptr + row)
+        key = tl.load(keys_ptr + row)
+        noisy = it > 0.0
+        best_v = tl.full([], float("-inf"), tl.float32)
+        best_i = tl.full([], 0, tl.int32)
+        for start in range(0, vocab, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < vocab
+            x = tl.load(logits_ptr + row * stride + cols, mask=m, other=float("-inf"))
+            if noisy:
+                h = ((cols.to(tl.int64) * 0x27D4EB2D) & 0xFFFFFFFF) ^ key
+                h = h ^ (h >> 16)
+                h = (h * 0x45D9F3B) & 0xFFFFFFFF
+                h = h ^ (h >> 16)
+                h = (h * 0x45D9F3B) & 0xFFFFFFFF
+                h = h ^ (h >> 16)
+                u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+                x = x * it - tl.log(-tl.log(u))
+                x = tl.where(m, x, float("-inf"))
+            v = tl.max(x, axis=0)
+            i = tl.argmax(x, axis=0) + start
+            better = v > best_v
+            best_i = tl.where(better, i, best_i)
+            best_v = tl.where(better, v, best_v)
+        tl.store(out_ptr + row, best_i)
+
+
+def gumbel_argmax(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] float32, inv_temp [N] float32 (0: greedy), keys [N] int64 -> [N] int64 token ids."""
+    if not use_triton(logits):
+        return gumbel_argmax_ref(logits, inv_temp, keys)
+    out = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    _gumbel_argmax_kernel[(logits.shape[0],)](
+        logits, inv_temp, keys, out, logits.stride(0), logits.shape[1], BLOCK=4096, num_warps=8
+    )
+    return out

@@ -1,0 +1,217 @@
+"""TorchRunner: HF Llama/Qwen2 safetensors on CUDA (bf16) or CPU (fp32).
+
+Owns the weights, the paged KV cache (`[layers, 2, blocks, KVH, block_size, D]`),
+the device sampler and the decode CUDA graphs. One `execute` = one packed
+mixed batch: inputs uploaded in one copy, one forward, logits of the sampled
+rows only, sampling on the device, one device-to-host copy of the tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmserve.config import Config
+from llmserve.models.config import ModelConfig
+from llmserve.runners.base import ModelRunner, StepBatch, StepResult
+
+from .cuda_graphs import DecodeGraphs, decode_splits
+from .inputs import StepInputs, Uploader, host_arrays, work_items
+from .kernels.attention import AttnMeta, tile_tokens
+from .model import DecoderModel
+from .sampler import DeviceSampler
+
+log = logging.getLogger(__name__)
+
+
+def pick_device(config: Config) -> torch.device:
+    if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
+        if not torch.cuda.is_available():
+            raise RuntimeError("LLMSERVE_DEVICE=cuda but torch sees no CUDA device")
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class TorchRunner(ModelRunner):
+    def __init__(self, model_dir: str, config: Config) -> None:
+        self.config = config
+        cfg_path = config.model_config_path or str(Path(model_dir) / "config.json")
+        self.model_config = mc = ModelConfig.from_file(cfg_path)
+        self.device = pick_device(config)
+        cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if cuda else torch.float32
+        self.block_size = config.block_size
+        self.max_model_len = min(config.max_seq_len, mc.max_position_embeddings)
+        self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
+        self.eos_token_ids = frozenset(mc.eos_token_ids)
+        self.vocab_size = mc.vocab_size
+        t0 = time.perf_counter()
+        self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1)
+        log.info("loaded %.2f GB of weights in %.1f s", self.model.weight_bytes / 1e9, time.perf_counter() - t0)
+        self.uploader = Uploader(self.device)
+        self.sampler = DeviceSampler(self.vocab_size, self.device, config.seed)
+        self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 1
+        self.max_batch = config.batch_size
+        self.num_kv_blocks = self._size_kv_cache()
+        L, KVH, D = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
+        self.kv_cache = torch.zeros(
+            L, 2, self.num_kv_blocks, KVH, self.block_size, D, dtype=self.dtype, device=self.device
+        )
+        self.graphs: DecodeGraphs | None = None
+        if cuda and os.environ.get("LLMSERVE_CUDA_GRAPHS", "1") != "0":
+            self.graphs = DecodeGraphs(
+                self.model, self.kv_cache, min(self.max_batch, 512), self.max_blocks_per_seq, self.num_sms
+            )
+            self.graphs.capture()
+
+    # ---- KV cache sizing ------------------------------------------------------
+    def _block_bytes(self) -> int:
+        mc = self.model_config
+        item = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * mc.num_hidden_layers * mc.num_key_value_heads * self.block_size * mc.head_dim * item
+
+    def _size_kv_cache(self) -> int:
+        fixed = self.config.num_kv_blocks_from_block_bs
+        if fixed is not None:
+            return fixed
+        if self.device.type != "cuda":
+            want = self.max_batch * self.max_blocks_per_seq
+            return max(self.max_blocks_per_seq, min(want, (2 << 30) // self._block_bytes()))
+        # Profile the largest step (a full prefill chunk plus logits and sampling buffers
+        # for a full batch), then give the KV cache its share of what is left.
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self._warmup_prefill(self.config.max_num_batched_tokens)
+        rows = min(self.max_batch, 512)
+        scratch = torch.empty(rows * self.vocab_size * 4 * 6, dtype=torch.uint8, device=self.device)  # sampler/graphs
+        del scratch
+        peak = torch.cuda.max_memory_allocated(self.device) - base
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info(self.device)
+        budget = self.config.kv_cache_memory_fraction * (free - peak)
+        n = int(budget // self._block_bytes())
+        if n < self.max_blocks_per_seq:
+            raise RuntimeError(
+                f"only {n} KV blocks fit in GPU memory; one sequence of MAX_SEQ_LEN needs "
+                f"{self.max_blocks_per_seq} (lower MAX_SEQ_LEN or use a smaller model)"
+            )
+        log.info("KV cache: %d blocks (%.1f GB); step peak %.2f GB", n, n * self._block_bytes() / 1e9, peak / 1e9)
+        return n
+
+    @torch.inference_mode()
+    def _warmup_prefill(self, num_tokens: int) -> None:
+        mc = self.model_config
+        nb = -(-num_tokens // self.block_size)
+        kv = torch.zeros(
+            mc.num_hidden_layers,
+            2,
+            nb,
+            mc.num_key_value_heads,
+            self.block_size,
+            mc.head_dim,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        dev = self.device
+        i32 = dict(dtype=torch.int32, device=dev)
+        bt = torch.arange(nb, **i32)[None, :]
+        block_t = tile_tokens(mc.num_attention_heads, mc.num_key_value_heads, decode_only=False)
+        tiles = -(-num_tokens // block_t)
+        meta = AttnMeta(
+            torch.tensor([0, num_tokens], **i32),
+            torch.tensor([num_tokens], **i32),
+            bt,
+            torch.zeros(tiles, **i32),
+            torch.arange(tiles, **i32) * block_t,
+            block_t,
+        )
+        ids = torch.randint(0, self.vocab_size, (num_tokens,), **i32)
+        pos = torch.arange(num_tokens, **i32)
+        hidden = self.model.forward(ids, pos, pos, meta, kv)
+        self.model.logits(hidden[-1:])
+        del kv, hidden
+
+    # ---- one step ---------------------------------------------------------------
+    def prepare(self, batch: StepBatch, arrays: dict) -> StepInputs:
+        a = arrays
+        B = len(batch.chunks)
+        q_lens = a["q_lens"]
+        decode_only = a["ids"].shape[0] == B
+        mc = self.model_config
+        H, KVH = mc.num_attention_heads, mc.num_key_value_heads
+        block_t = tile_tokens(H, KVH, decode_only)
+        dec_bt = tile_tokens(H, KVH, True)
+        if decode_only:
+            item_seq, item_q = work_items(q_lens, block_t)
+            dec_seq = dec_q = np.zeros(0, dtype=np.int64)
+        else:  # prefill chunks in large tiles, single tokens in small ones
+            single = q_lens == 1
+            item_seq, item_q = work_items(np.where(single, 0, q_lens), block_t)
+            dec_seq = np.flatnonzero(single)
+            dec_q = np.zeros_like(dec_seq)
+        splits = decode_splits(B, KVH, self.num_sms) if decode_only else 1
+        v = self.uploader.upload(
+            [a["ids"], a["positions"], a["slots"], a["cu_q"], a["seq_lens"], a["bt"], item_seq, item_q,
+             a["sample_tok"], dec_seq, dec_q]
+        )  # fmt: skip
+        meta = AttnMeta(v[3], v[4], v[5], v[6], v[7], block_t, splits, v[9], v[10], dec_bt)
+        return StepInputs(v[0], v[1], v[2], meta, v[8], int(a["sampled"].shape[0]))
+
+    def _mark_start(self) -> None:
+        """Start of the step's device work (host preparation excluded), for model_time."""
+        if self.device.type == "cuda":
+            self._t_start = torch.cuda.Event(enable_timing=True)
+            self._t_start.record()
+        else:
+            self._t_start = time.perf_counter()
+
+    @torch.inference_mode()
+    def forward_logits(self, batch: StepBatch) -> torch.Tensor:
+        """Logits [num sampled chunks, V] (float32) of a step; writes its K/V. Exposed for tests."""
+        a = host_arrays(batch.chunks, self.block_size)
+        B = len(batch.chunks)
+        self._mark_start()
+        if (
+            self.graphs is not None
+            and a["ids"].shape[0] == B
+            and a["bt"].shape[1] <= self.graphs.max_blocks
+            and self.graphs.bucket(B) is not None
+        ):
+            logits = self.graphs.replay(a)
+            if a["sampled"].shape[0] == B:
+                return logits[:B]
+            return logits[torch.from_numpy(a["sampled"]).to(self.device)]
+        x = self.prepare(batch, a)
+        hidden = self.model.forward(x.input_ids, x.positions, x.slot_mapping, x.meta, self.kv_cache)
+        return self.model.logits(hidden[x.sample_idx.long()])
+
+    @torch.inference_mode()
+    def execute(self, batch: StepBatch) -> StepResult:
+        if batch.finished_req_ids:
+            self.sampler.drop(batch.finished_req_ids)
+        cuda = self.device.type == "cuda"
+        self._t_start = None
+        logits = self.forward_logits(batch)
+        reqs = [c.request for c in batch.chunks if c.sample]
+        tokens, lps = self.sampler.sample(logits, reqs) if reqs else (logits.new_zeros(0, dtype=torch.long), None)
+        if cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+        token_ids = tokens.tolist()  # the step's one device-to-host sync
+        if cuda:
+            end.synchronize()  # a step that samples nothing copies nothing back
+        model_time = self._t_start.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - self._t_start
+        return StepResult(token_ids, lps, model_time=model_time)
+
+    def shutdown(self) -> None:
+        self.graphs = None
+        self.kv_cache = None
+        self.model = None
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()

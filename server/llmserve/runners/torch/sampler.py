@@ -1,0 +1,196 @@
+"""Sampling on the device: penalties, min length, temperature, top-k, top-p, seeds.
+
+Same definitions as the host sampler (engine/sampler.py): repetition penalty
+over prompt + output tokens (logit / p when positive, logit * p otherwise),
+frequency/presence penalties over output tokens, eos/stop ids masked until
+min_tokens, temperature 0 = greedy, top-k then top-p (the nucleus keeps the
+tokens whose preceding mass is under top_p, at least one), logprobs of the
+penalised logits. Draws use the Gumbel-max trick with noise hashed from
+(request seed, output index, token id) (kernels/sampling.py), so a seeded
+request reproduces in any batch and no request needs its own generator.
+
+Per step the host uploads one small parameter block; penalty counts live on
+the device per request and are updated with each request's new tokens, so a
+penalised request costs O(new tokens) host work per step, not O(length).
+"""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import torch
+
+from llmserve.engine.request import Request
+from llmserve.runners.base import TokenLogprobs
+
+from .kernels.sampling import gumbel_argmax, mix_key
+
+
+class PenaltyState:
+    """Per-request token counts on the device: output counts and a prompt-seen mask."""
+
+    def __init__(self, vocab: int, device: torch.device) -> None:
+        self.vocab, self.device = vocab, device
+        self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)
+        self.seen = torch.zeros(0, vocab, dtype=torch.bool, device=device)
+        self.row: dict[str, int] = {}
+        self.synced: dict[str, int] = {}  # output tokens already counted
+        self.free: list[int] = []
+
+    def _grow(self) -> None:
+        n = max(8, 2 * self.counts.shape[0])
+        old = self.counts.shape[0]
+        self.counts = torch.cat([self.counts, self.counts.new_zeros(n - old, self.vocab)])
+        self.seen = torch.cat([self.seen, self.seen.new_zeros(n - old, self.vocab)])
+        self.free.extend(range(n - 1, old - 1, -1))
+
+    def drop(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            r = self.row.pop(rid, None)
+            if r is not None:
+                self.synced.pop(rid)
+                self.counts[r].zero_()
+                self.seen[r].zero_()
+                self.free.append(r)
+
+    def rows(self, reqs: list[Request]) -> torch.Tensor:
+        """State rows of `reqs`, after counting the tokens each gained since the last call."""
+        rows, seen_r, seen_t, cnt_r, cnt_t = [], [], [], [], []
+        for req in reqs:
+            r = self.row.get(req.req_id)
+            if r is None:
+                if not self.free:
+                    self._grow()
+                r = self.row[req.req_id] = self.free.pop()
+                self.synced[req.req_id] = 0
+                seen_t.extend(req.prompt_token_ids)
+                seen_r.extend([r] * len(req.prompt_token_ids))
+            done = self.synced[req.req_id]
+            new = req.output_token_ids[done:]
+            cnt_t.extend(new)
+            cnt_r.extend([r] * len(new))
+            self.synced[req.req_id] = done + len(new)
+            rows.append(r)
+        if seen_t:
+            idx = torch.tensor([seen_r, seen_t], dtype=torch.int64).to(self.device, non_blocking=True)
+            self.seen[idx[0], idx[1]] = True
+        if cnt_t:
+            idx = torch.tensor([cnt_r, cnt_t], dtype=torch.int64).to(self.device, non_blocking=True)
+            self.counts.index_put_((idx[0], idx[1]), torch.ones_like(idx[0], dtype=torch.int32), accumulate=True)
+        return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+
+
+class DeviceSampler:
+    def __init__(self, vocab_size: int, device: torch.device, seed: int = 0) -> None:
+        self.vocab = vocab_size
+        self.device = device
+        self.penalties = PenaltyState(vocab_size, device)
+        self._seed_rng = random.Random(seed)
+        self._seeds: dict[str, int] = {}  # engine-drawn seeds of requests without their own
+
+    def drop(self, req_ids: list[str]) -> None:
+        self.penalties.drop(req_ids)
+        # Unseeded requests keep their drawn seed across preemption: it is only forgotten
+        # when the request is gone (a new request with the same id draws afresh).
+        for rid in req_ids:
+            self._seeds.pop(rid, None)
+
+    def _seed(self, req: Request) -> int:
+        if req.params.seed is not None:
+            return req.params.seed
+        s = self._seeds.get(req.req_id)
+        if s is None:
+            s = self._seeds[req.req_id] = self._seed_rng.getrandbits(63)
+        return s
+
+    def sample(
+        self, logits: torch.Tensor, reqs: list[Request]
+    ) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
+        """logits [N, V] float32 (modified in place) -> token ids [N] on the device, logprobs (host)."""
+        len(reqs)
+        params = [r.params for r in reqs]
+        pen = [
+            i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
+        ]
+        ban = [i for i, r in enumerate(reqs) if len(r.output_token_ids) < r.params.min_tokens and r.eos_token_ids]
+        want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        if pen:
+            self._apply_penalties(logits, pen, [reqs[i] for i in pen])
+        if ban:
+            rows = [i for i in ban for _ in reqs[i].eos_token_ids]
+            toks = [t for i in ban for t in reqs[i].eos_token_ids]
+            idx = torch.tensor([rows, toks], dtype=torch.int64).to(self.device, non_blocking=True)
+            keep = idx[1] < self.vocab
+            logits[idx[0][keep], idx[1][keep]] = float("-inf")
+        lps = self._logprobs(logits, want_lp, reqs) if want_lp else None
+        if all(p.greedy for p in params):
+            tokens = logits.argmax(dim=1)
+        else:
+            tokens = self._draw(logits, reqs)
+        if lps is None:
+            return tokens, None
+        return tokens, lps(tokens)
+
+    def _apply_penalties(self, logits: torch.Tensor, idx: list[int], reqs: list[Request]) -> None:
+        rows = self.penalties.rows(reqs)
+        p = torch.tensor(
+            [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty] for r in reqs],
+            dtype=torch.float32,
+        ).to(self.device, non_blocking=True)
+        b = torch.tensor(idx, dtype=torch.int64).to(self.device, non_blocking=True)
+        x = logits[b]
+        counts = self.penalties.counts[rows]
+        rep = p[:, 0:1]
+        seen = self.penalties.seen[rows] | (counts > 0)
+        x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
+        x = x - p[:, 1:2] * counts - p[:, 2:3] * (counts > 0)
+        logits[b] = x
+
+    def _logprobs(self, logits: torch.Tensor, idx: list[int], reqs: list[Request]):
+        k = max(reqs[i].params.logprobs for i in idx)
+        b = torch.tensor(idx, dtype=torch.int64, device=self.device)
+        ls = torch.log_softmax(logits[b], dim=-1)
+        top_v, top_i = ls.topk(max(k, 1), dim=-1)
+
+        def finish(tokens: torch.Tensor) -> list[TokenLogprobs | None]:
+            chosen = ls.gather(1, tokens[b][:, None])[:, 0]
+            cv, tv, ti = chosen.tolist(), top_v.tolist(), top_i.tolist()
+            out: list[TokenLogprobs | None] = [None] * len(reqs)
+            for j, i in enumerate(idx):
+                kk = reqs[i].params.logprobs
+                out[i] = TokenLogprobs(cv[j], list(zip(ti[j][:kk], tv[j][:kk])))
+            return out
+
+        return finish
+
+    def _draw(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        n = len(reqs)
+        prm = np.empty((4, n), dtype=np.float64)
+        for i, r in enumerate(reqs):
+            p = r.params
+            prm[0, i] = 0.0 if p.greedy else 1.0 / p.temperature
+            prm[1, i] = mix_key(self._seed(r), len(r.output_token_ids)) if not p.greedy else 0
+            prm[2, i] = p.top_k if (p.top_k and not p.greedy) else 0
+            prm[3, i] = p.top_p if not p.greedy else 1.0
+        dev = torch.from_numpy(prm).to(self.device, non_blocking=True)
+        inv_temp = dev[0].float()
+        keys = dev[1].long()
+        if (prm[2] > 0).any() or (prm[3] < 1.0).any():
+            logits = self._filter(logits, inv_temp, dev[2].long(), dev[3].float())
+            inv_temp = torch.where(inv_temp > 0, 1.0, 0.0)
+        return gumbel_argmax(logits, inv_temp, keys)
+
+    @staticmethod
+    def _filter(logits: torch.Tensor, inv_temp: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+        """Scale sampled rows by their temperature and mask all but their top-k / nucleus (greedy rows untouched)."""
+        scaled = torch.where(inv_temp[:, None] > 0, logits * inv_temp[:, None], logits)
+        vals, order = scaled.sort(dim=-1, descending=True, stable=True)
+        rank = torch.arange(vals.shape[1], device=vals.device)[None, :]
+        k = torch.where(top_k > 0, top_k, vals.shape[1])
+        vals = vals.masked_fill(rank >= k[:, None], float("-inf"))
+        probs = vals.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs
+        drop = (before >= top_p[:, None]) & (rank > 0) & (top_p[:, None] < 1.0)
+        vals = vals.masked_fill(drop & (inv_temp[:, None] > 0), float("-inf"))
+        return scaled.scatter(1, order, vals)
