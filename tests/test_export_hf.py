@@ -40,6 +40,17 @@ class Greedy:
         pass
 
 
+# Llama 3.1's rope scaling, with a short original context so all three frequency bands occur.
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 500000.0,
+}
+
+
 def write_checkpoint(path, arch: str, dtype, shard: bool, **overrides):
     torch.manual_seed(len(str(path)))
     if arch == "llama":
@@ -82,8 +93,9 @@ def paged_logits(model_dir, tokens: list[int], prompt_len: int) -> np.ndarray:
         ("llama", "float32", True, {"tie_word_embeddings": True, "num_key_value_heads": 1}),
         ("qwen2", "float32", True, {}),
         ("qwen2", "bfloat16", False, {"tie_word_embeddings": True}),
+        ("llama", "float32", False, {"rope_scaling": LLAMA3_ROPE}),
     ],
-    ids=["llama", "llama-tied-sharded", "qwen2-sharded", "qwen2-bf16-tied"],
+    ids=["llama", "llama-tied-sharded", "qwen2-sharded", "qwen2-bf16-tied", "llama3-rope-scaling"],
 )
 def test_exported_graph_matches_transformers(tmp_path, arch, dtype, shard, extra):
     hf_dir, out = tmp_path / "hf", tmp_path / "out"

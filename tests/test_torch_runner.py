@@ -49,6 +49,11 @@ def tiny_checkpoint(path, arch: str, seed: int) -> None:
     if arch == "llama":
         cfg = transformers.LlamaConfig(**common, rope_theta=10000.0)
         model = transformers.LlamaForCausalLM(cfg)
+    elif arch == "llama3-rope":
+        scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        scaling.update(original_max_position_embeddings=64, rope_theta=500000.0)
+        cfg = transformers.LlamaConfig(**common, rope_scaling=scaling)
+        model = transformers.LlamaForCausalLM(cfg)
     else:
         cfg = transformers.Qwen2Config(**common, rope_theta=1e6, tie_word_embeddings=True)
         model = transformers.Qwen2ForCausalLM(cfg)
@@ -110,9 +115,9 @@ def make_runner(path, **overrides):
     return TorchRunner(str(path), cfg)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-rope"])
 def test_greedy_tokens_match_transformers(tmp_path, arch):
-    tiny_checkpoint(tmp_path, arch, seed=11 if arch == "llama" else 12)
+    tiny_checkpoint(tmp_path, arch, seed={"llama": 11, "qwen2": 12}.get(arch, 13))
     runner = make_runner(tmp_path, block_bs=4)
     assert runner.dtype == (torch.bfloat16 if HAS_CUDA else torch.float32)
     rng = np.random.default_rng(3)
@@ -121,7 +126,7 @@ def test_greedy_tokens_match_transformers(tmp_path, arch):
     Driver(runner, chunk=7).run(reqs)
     if HAS_CUDA:
         return  # bf16 on a GPU: parity is checked by logits in the GPU test below
-    hf = (transformers.LlamaForCausalLM if arch == "llama" else transformers.Qwen2ForCausalLM).from_pretrained(tmp_path)
+    hf = (transformers.Qwen2ForCausalLM if arch == "qwen2" else transformers.LlamaForCausalLM).from_pretrained(tmp_path)
     for r, p in zip(reqs, prompts):
         ref = hf.generate(
             torch.tensor([p]), max_new_tokens=10, do_sample=False, attention_mask=torch.ones(1, len(p)), pad_token_id=0

@@ -10,6 +10,8 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from llmserve.models.rope import SUPPORTED_ROPE_TYPES
+
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "Qwen2ForCausalLM": "qwen2",
@@ -34,6 +36,8 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
+    # rope scaling as sorted (key, value) pairs (hashable); see models/rope.py
+    rope_scaling: tuple[tuple[str, object], ...] = ()
 
     @classmethod
     def from_dict(cls, d: dict) -> ModelConfig:
@@ -46,12 +50,17 @@ class ModelConfig:
                 f"unsupported model: architectures={archs} model_type={d.get('model_type')!r}; "
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
-        if d.get("rope_scaling"):
-            raise ValueError(f"rope_scaling {d['rope_scaling']} is not supported yet")
+        scaling = d.get("rope_scaling") or d.get("rope_parameters") or {}
+        kind = scaling.get("rope_type", scaling.get("type", "default"))
+        if kind not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+        scaling = {} if kind == "default" else {k: v for k, v in scaling.items() if k != "rope_theta"}
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        rope_theta = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+        rope_theta = d.get("rope_theta") or (d.get("rope_parameters") or {}).get("rope_theta") or 10000.0
         return cls(
             architecture=arch,
             vocab_size=d["vocab_size"],
@@ -69,6 +78,7 @@ class ModelConfig:
             bos_token_id=d.get("bos_token_id"),
             eos_token_ids=eos_ids,
             dtype=str(d.get("torch_dtype") or d.get("dtype") or "float32"),
+            rope_scaling=tuple(sorted(scaling.items())),
         )
 
     @classmethod
@@ -81,6 +91,9 @@ class ModelConfig:
         arch = d.pop("architecture")
         eos = d.pop("eos_token_ids")
         d.pop("dtype")
+        scaling = dict(d.pop("rope_scaling"))
+        if scaling:
+            d["rope_scaling"] = scaling
         d.update(
             architectures=["LlamaForCausalLM" if arch == "llama" else "Qwen2ForCausalLM"],
             model_type=arch,
@@ -91,6 +104,12 @@ class ModelConfig:
         if arch == "qwen2":
             d.pop("attention_bias")
         return d
+
+    def inv_freq(self):
+        """Rotary inverse frequencies (numpy float32), scaling included."""
+        from llmserve.models.rope import rope_inv_freq
+
+        return rope_inv_freq(self.head_dim, self.rope_theta, dict(self.rope_scaling) or None)
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -65,9 +65,8 @@ def param_shapes(cfg: ModelConfig) -> dict[str, list[int]]:
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """As HF computes it: 1 / theta ** (arange(0, d, 2) / d), in float32."""
-    exponent = np.arange(0, cfg.head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(cfg.head_dim)
-    return (1.0 / np.power(np.float32(cfg.rope_theta), exponent)).astype(np.float32)
+    """As HF computes it (float32), rope scaling included: see models/rope.py."""
+    return cfg.inv_freq()
 
 
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:

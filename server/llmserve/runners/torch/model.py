@@ -104,7 +104,7 @@ class DecoderModel:
         self.norm = r.get("model.norm.weight")
         tied = cfg.tie_word_embeddings or not r.has("lm_head.weight")
         self.lm_head = self.embed if tied else r.get("lm_head.weight")
-        self.cos_sin = rope_cos_sin(self.head_dim, cfg.rope_theta, max_positions, device)
+        self.cos_sin = rope_cos_sin(cfg.inv_freq(), max_positions, device)
 
     @property
     def weight_bytes(self) -> int:

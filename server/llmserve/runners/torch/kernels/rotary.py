@@ -9,6 +9,7 @@ rotate-half convention: out[i] = x[i]*cos - x[i+D/2]*sin, out[i+D/2] = x[i+D/2]*
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from . import next_pow2, use_triton
@@ -20,9 +21,9 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
-def rope_cos_sin(head_dim: int, theta: float, max_pos: int, device: torch.device) -> torch.Tensor:
-    """[max_pos, D/2, 2] float32: cos and sin of each position and frequency."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+def rope_cos_sin(inv_freq: np.ndarray, max_pos: int, device: torch.device) -> torch.Tensor:
+    """[max_pos, D/2, 2] float32: cos and sin of each position and frequency (inv_freq from models/rope.py)."""
+    inv_freq = torch.from_numpy(inv_freq).double()
     ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return torch.stack([ang.cos(), ang.sin()], dim=-1).float().to(device)
 
