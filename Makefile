@@ -21,20 +21,20 @@ test: venv
 	$(BIN)/python -m pytest -q tests
 
 lint: venv
-	$(BIN)/ruff check server tests scripts
-	$(BIN)/ruff format --check server tests scripts
+	$(BIN)/ruff check server tests scripts download_model.py
+	$(BIN)/ruff format --check server tests scripts download_model.py
 
 format: venv
 	$(BIN)/ruff format server tests scripts
 	$(BIN)/ruff check --fix server tests scripts
 
 serve: venv
-	if [ -x ./start_server.sh ]; then ./start_server.sh; else $(MAKE) serve-offline; fi
+	./start_server.sh
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
 
-# Until the Triton service lands: a demo of the engine on the demo model.
-.PHONY: serve-offline
-serve-offline: venv
+# The engine alone, offline, on the demo model.
+.PHONY: generate
+generate: venv
 	$(BIN)/llmserve generate --prompt "Hello, llm" --max-tokens 32 --temperature 0

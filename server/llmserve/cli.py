@@ -111,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     c = sub.add_parser("config", help="print every setting with its value")
     c.set_defaults(func=_config)
+
+    from llmserve.bench.cli import add_bench_parser
+
+    add_bench_parser(sub)
     return p
 
 

@@ -84,7 +84,7 @@ class Sampler:
         if len(req.output_token_ids) < p.min_tokens:
             banned = [t for t in req.eos_token_ids if 0 <= t < row.shape[0]]
             row[banned] = -np.inf
-        if p.greedy:
+        if p.greedy or p.top_k == 1:  # top-1 sampling is argmax: skip the sort
             token = int(np.argmax(row))
         else:
             token = self._draw(row / p.temperature, p, self._rng(req))
@@ -98,9 +98,12 @@ class Sampler:
     @staticmethod
     def _draw(scaled: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
         # Sort once (stable, so ties break by token id); top-k and top-p are prefixes of it.
-        order = np.argsort(-scaled, kind="stable")
-        if p.top_k:
-            order = order[: p.top_k]
+        # With top-k, only the k best are sorted (a partial sort of the vocabulary first).
+        if p.top_k and p.top_k < scaled.shape[0]:
+            best = np.argpartition(-scaled, p.top_k - 1)[: p.top_k]
+            order = best[np.lexsort((best, -scaled[best]))]
+        else:
+            order = np.argsort(-scaled, kind="stable")
         vals = scaled[order]
         probs = np.exp(vals - vals[0])
         probs /= probs.sum()

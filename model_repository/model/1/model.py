@@ -1,0 +1,1 @@
+from llmserve.triton.model import TritonPythonModel  # noqa: F401

@@ -1,0 +1,184 @@
+"""`llmserve bench`: load-test a running server (or the engine in-process) and report.
+
+    llmserve bench --backend native --num-prompts 200 --max-concurrency 1,8,32
+    llmserve bench --backend engine --model DIR --workload sharegpt-synthetic
+
+Prints a table per concurrency level, writes `<name>.json` and PNG plots
+(`<name>-latency-c<N>.png`; `<name>-sweep.png` for several levels) into --out-dir.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import math
+import sys
+import time
+from pathlib import Path
+
+from llmserve.bench.backends import BACKENDS, Backend, make_backend
+from llmserve.bench.metrics import results_to_dicts, summarize
+from llmserve.bench.report import format_table, plot_latencies, plot_sweep, save_json
+from llmserve.bench.runner import run_level, warmup
+from llmserve.bench.workload import SHAREGPT, Vocab, build_workload
+
+
+def _concurrency_list(raw: str) -> list[int | None]:
+    if not raw:
+        return [None]
+    try:
+        levels = [int(x) for x in raw.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a comma list of integers, got {raw!r}") from None
+    if not levels or any(c < 1 for c in levels):
+        raise argparse.ArgumentTypeError(f"concurrency levels must be >= 1, got {raw!r}")
+    return levels  # type: ignore[return-value]
+
+
+def add_bench_parser(subparsers) -> argparse.ArgumentParser:
+    b = subparsers.add_parser(
+        "bench",
+        help="benchmark a running server or the engine: TTFT, TPOT, ITL, throughput",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    b.add_argument("--backend", choices=BACKENDS, default="native")
+    b.add_argument("--host", default="127.0.0.1")
+    b.add_argument(
+        "--port", type=int, default=None, help="default SERVICE_HTTP_PORT (SERVICE_GRPC_PORT for triton-grpc)"
+    )
+    b.add_argument(
+        "--model", default="", metavar="DIR", help="engine backend: model to load (default MODEL_DIR, else the demo)"
+    )
+    b.add_argument("--tokenizer", default="", metavar="DIR", help="tokenizer for prompts (default: --model's)")
+    b.add_argument("--workload", choices=("random", "sharegpt-synthetic", "jsonl"), default="random")
+    b.add_argument("--dataset-path", default=None, metavar="FILE", help="jsonl workload: one JSON object a line")
+    b.add_argument("--num-prompts", type=int, default=100)
+    b.add_argument("--input-len", type=int, default=256, help="random: mean input tokens")
+    b.add_argument("--output-len", type=int, default=128, help="random: mean output tokens; jsonl: default")
+    b.add_argument("--range-ratio", type=float, default=0.0, help="random: lengths in [L*(1-r), L*(1+r)]")
+    b.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals in req/s, or inf")
+    b.add_argument(
+        "--max-concurrency",
+        type=_concurrency_list,
+        default=[None],
+        help="cap on requests in flight; a comma list (1,8,32,128) runs a sweep",
+    )
+    b.add_argument("--seed", type=int, default=0, help="same seed, same workload and arrivals")
+    b.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    b.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
+    b.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first, one at a time")
+    b.add_argument("--out-dir", default=".", help="where the JSON and PNG files go (default: here)")
+    b.add_argument("--result-name", default="", help="file name stem (default bench-<backend>)")
+    b.add_argument("--no-plots", action="store_true")
+    b.add_argument("--save-requests", action="store_true", help="also save every request's timings in the JSON")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
+    b.set_defaults(func=run_bench)
+    return b
+
+
+def _make_backend(args: argparse.Namespace) -> tuple[Backend, Vocab]:
+    from llmserve.config import Config
+
+    config = Config.from_env()
+    if args.backend == "engine":
+        from llmserve.bench.engine_backend import EngineBackend
+        from llmserve.engine.llm_engine import build_engine
+
+        engine = build_engine(dataclasses.replace(config, model_dir=args.model or config.model_dir))
+        vocab = Vocab(_load_tokenizer(args.tokenizer) if args.tokenizer else engine.tokenizer)
+        return EngineBackend(engine, vocab, temperature=args.temperature, timeout=args.timeout), vocab
+    from llmserve.engine.loader import resolve_model_dir
+
+    tok_dir = args.tokenizer or str(
+        resolve_model_dir(dataclasses.replace(config, model_dir=args.model or config.model_dir))
+    )
+    vocab = Vocab(_load_tokenizer(tok_dir))
+    port = args.port or (config.service_grpc_port if args.backend == "triton-grpc" else config.service_http_port)
+    kw = {"temperature": args.temperature, "timeout": args.timeout}
+    return make_backend(args.backend, args.host, port, vocab, **kw), vocab
+
+
+def _load_tokenizer(path: str):
+    from llmserve.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(path)
+
+
+async def _run_all(args: argparse.Namespace, backend: Backend, requests) -> list[tuple[list, float, int | None]]:
+    await backend.start()
+    runs = []
+    try:
+        await warmup(backend, requests, args.num_warmups)
+        for conc in args.max_concurrency:
+            desc = f"{args.backend} c={conc or 'inf'}"
+            results, duration = await run_level(
+                backend, requests, args.request_rate, conc, args.seed, progress=not args.no_progress, desc=desc
+            )
+            runs.append((results, duration, conc))
+    finally:
+        await backend.close()
+    return runs
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    if args.num_prompts < 1:
+        print("llmserve bench: --num-prompts must be >= 1", file=sys.stderr)
+        return 2
+    backend, vocab = _make_backend(args)
+    requests = build_workload(
+        args.workload,
+        vocab,
+        args.num_prompts,
+        seed=args.seed,
+        input_len=args.input_len,
+        output_len=args.output_len,
+        range_ratio=args.range_ratio,
+        path=args.dataset_path,
+    )
+    runs = asyncio.run(_run_all(args, backend, requests))
+    if args.backend == "engine":
+        backend.engine.shutdown()
+
+    out_dir = Path(args.out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = args.result_name or f"bench-{args.backend}"
+    meta = {
+        "backend": args.backend,
+        "workload": args.workload,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        "seed": args.seed,
+    }
+    summaries, files = [], []
+    for results, duration, conc in runs:
+        s = summarize(results, duration, **meta, max_concurrency=conc)
+        if args.save_requests:
+            s["requests"] = results_to_dicts(results)
+        summaries.append(s)
+        print(format_table(s))
+        if not args.no_plots:
+            title = f"{args.backend}, {args.workload}, max concurrency {conc or 'inf'}"
+            files.append(plot_latencies(out_dir / f"{stem}-latency-c{conc or 'inf'}.png", results, title))
+    if not args.no_plots and len(summaries) > 1:
+        files.append(plot_sweep(out_dir / f"{stem}-sweep.png", summaries, f"{args.backend}, {args.workload}"))
+    config = {k: v for k, v in vars(args).items() if k != "func"}
+    config["request_rate"] = meta["request_rate"]
+    if args.workload == "sharegpt-synthetic":
+        config["sharegpt_distribution"] = SHAREGPT
+    payload = {"date": time.strftime("%Y-%m-%dT%H:%M:%S"), "config": config, "runs": summaries}
+    files.insert(0, save_json(out_dir / f"{stem}.json", payload))
+    print("wrote " + ", ".join(str(f) for f in files))
+    return 1 if any(s["completed"] == 0 for s in summaries) else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Standalone entry (`python -m llmserve.bench.cli`), until `llmserve bench` is wired in."""
+    parser = argparse.ArgumentParser(prog="llmserve")
+    add_bench_parser(parser.add_subparsers(dest="cmd", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Per-request results and the run's aggregate metrics.
+
+Definitions (as in vLLM's `bench serve`), all on the client's clock:
+- TTFT: request sent -> first output token received.
+- ITL: gaps between consecutive chunks that carry tokens (one per chunk;
+  a chunk holding several tokens counts once; OpenAI: every chunk with
+  `choices`, even one whose text is still empty).
+- TPOT: per request, (E2E - TTFT) / (output tokens - 1), for requests with
+  more than one output token.
+- E2E: request sent -> last byte of the response.
+- Throughput: successful requests and their tokens divided by the run's wall
+  time (first request sent -> last request done).
+Failed requests count in `failures` (by error code) and in no latency or token figure.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+PERCENTILES = (50, 90, 99)
+
+
+@dataclass
+class RequestResult:
+    input_len: int = 0  # as the server reported (usage) when it did, else as sent
+    output_len: int = 0
+    expected_input_len: int = 0
+    expected_output_len: int = 0
+    success: bool = False
+    error_code: str = ""  # protocol error_code, HTTP status, or an exception name
+    error_msg: str = ""
+    start: float = 0.0  # perf_counter when sent
+    ttft: float = 0.0
+    latency: float = 0.0  # E2E
+    itl: list[float] = field(default_factory=list)
+
+    def fail(self, code: object, msg: str) -> RequestResult:
+        self.success, self.error_code, self.error_msg = False, str(code), msg[:500]
+        return self
+
+
+def _stats(values: list[float] | np.ndarray, scale: float = 1000.0) -> dict[str, float]:
+    """mean, median, p90, p99 (and std) in milliseconds; zeros when empty."""
+    a = np.asarray(values, dtype=np.float64) * scale
+    if a.size == 0:
+        return {"mean": 0.0, "median": 0.0, "std": 0.0, **{f"p{p}": 0.0 for p in PERCENTILES}}
+    out = {"mean": float(a.mean()), "median": float(np.median(a)), "std": float(a.std())}
+    # Percentiles are computed together so they come out ordered.
+    for p, v in zip(PERCENTILES, np.percentile(a, PERCENTILES)):
+        out[f"p{p}"] = float(v)
+    return out
+
+
+def tpot(r: RequestResult) -> float | None:
+    return (r.latency - r.ttft) / (r.output_len - 1) if r.success and r.output_len > 1 else None
+
+
+def summarize(results: list[RequestResult], duration: float, **meta: object) -> dict:
+    """Aggregate metrics of one run (one concurrency level) as a JSON-able dict."""
+    ok = [r for r in results if r.success]
+    failures = Counter(r.error_code for r in results if not r.success)
+    dur = max(duration, 1e-9)
+    total_in = sum(r.input_len for r in ok)
+    total_out = sum(r.output_len for r in ok)
+    tpots = [t for t in map(tpot, ok) if t is not None]
+    return {
+        **meta,
+        "num_requests": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "failures": dict(sorted(failures.items())),
+        "duration_s": duration,
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(ok) / dur,
+        "input_throughput": total_in / dur,
+        "output_throughput": total_out / dur,
+        "total_token_throughput": (total_in + total_out) / dur,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "tpot_ms": _stats(tpots),
+        "itl_ms": _stats([g for r in ok for g in r.itl]),
+        "e2e_ms": _stats([r.latency for r in ok]),
+        # Output lengths the server gave vs asked: a server that stops early shows here.
+        "output_len_mismatch": sum(1 for r in ok if r.expected_output_len and r.output_len != r.expected_output_len),
+        "input_len_mismatch": sum(1 for r in ok if r.expected_input_len and r.input_len != r.expected_input_len),
+    }
+
+
+def results_to_dicts(results: list[RequestResult]) -> list[dict]:
+    return [asdict(r) for r in results]

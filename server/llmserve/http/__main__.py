@@ -1,0 +1,7 @@
+"""`python -m llmserve.http`: see llmserve.http.server."""
+
+import sys
+
+from llmserve.http.server import main
+
+sys.exit(main())

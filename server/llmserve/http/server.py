@@ -1,0 +1,47 @@
+"""The push-mode HTTP front end process: uvicorn with PUSH_MODE_HTTP_WORKERS workers.
+
+`python -m llmserve.http` (or `python -m llmserve.http.server`, which the
+supervisor started by start_server.sh runs) listens on LLMSERVE_HOST
+(default 0.0.0.0):SERVICE_HTTP_PORT (-1: no front end, exit at once) and
+forwards every request to Triton's gRPC endpoint on SERVICE_GRPC_PORT.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from llmserve.config import Config, ConfigError
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m llmserve.http", description=__doc__)
+    p.add_argument("--host", default=os.environ.get("LLMSERVE_HOST", "0.0.0.0"), help="address to bind")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    try:
+        cfg = Config.from_env()
+    except ConfigError as e:
+        print(f"llmserve.http: {e}", file=sys.stderr)
+        return 2
+    if cfg.service_http_port == -1:
+        print("llmserve.http: SERVICE_HTTP_PORT=-1, no HTTP front end")
+        return 0
+    import uvicorn
+
+    uvicorn.run(
+        "llmserve.http.app:create_app",
+        factory=True,
+        host=args.host,
+        port=cfg.service_http_port,
+        workers=cfg.push_mode_http_workers,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=5,
+        access_log=False,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,77 @@
+"""The llmserve_* Prometheus metrics, fed by the engine's stats messages.
+
+They live in the supervisor, not in the engine process, so that counters
+survive an engine restart. The metrics endpoint serves Triton's own metrics
+followed by these (one scrape target).
+"""
+
+from __future__ import annotations
+
+import urllib.request
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.running = Gauge("llmserve_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("llmserve_requests_waiting", "Requests waiting to be scheduled", registry=r)
+        self.kv_used = Gauge("llmserve_kv_blocks_used", "KV cache blocks in use", registry=r)
+        self.kv_total = Gauge("llmserve_kv_blocks_total", "KV cache blocks", registry=r)
+        self.prompt_tokens = Counter("llmserve_prompt_tokens_total", "Prompt tokens admitted", registry=r)
+        self.gen_tokens = Counter("llmserve_generation_tokens_total", "Tokens generated", registry=r)
+        self.success = Counter("llmserve_request_success_total", "Requests finished", ["finish_reason"], registry=r)
+        self.failure = Counter("llmserve_request_failure_total", "Requests failed", ["error_code"], registry=r)
+        self.ttft = Histogram(
+            "llmserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            "llmserve_time_per_output_token_seconds",
+            "Time per output token after the first",
+            buckets=TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            "llmserve_e2e_request_latency_seconds",
+            "Request latency, arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+
+    def apply(self, msg: dict) -> None:
+        """Fold one engine stats message (gauges now, counters as deltas) in."""
+        self.running.set(msg["running"])
+        self.waiting.set(msg["waiting"])
+        self.kv_used.set(msg["kv_blocks_used"])
+        self.kv_total.set(msg["kv_blocks_total"])
+        self.prompt_tokens.inc(msg["prompt_tokens"])
+        self.gen_tokens.inc(msg["generation_tokens"])
+        for reason, ttft, tpot, e2e in msg["finished"]:
+            self.success.labels(finish_reason=reason).inc()
+            self.ttft.observe(ttft)
+            if tpot is not None:
+                self.tpot.observe(tpot)
+            self.e2e.observe(e2e)
+        for code in msg["failed"]:
+            self.failure.labels(error_code=str(code)).inc()
+
+    def engine_down(self) -> None:
+        self.running.set(0)
+        self.waiting.set(0)
+        self.kv_used.set(0)
+
+    def exposition(self, triton_metrics_url: str | None) -> bytes:
+        """Triton's metrics (when reachable) followed by ours."""
+        parts = []
+        if triton_metrics_url:
+            try:
+                with urllib.request.urlopen(triton_metrics_url, timeout=2) as r:
+                    parts.append(r.read().rstrip(b"\n") + b"\n")
+            except OSError:
+                parts.append(b"# Triton metrics unavailable\n")
+        parts.append(generate_latest(self.registry))
+        return b"".join(parts)

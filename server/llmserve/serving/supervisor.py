@@ -1,0 +1,292 @@
+"""The supervisor: starts and watches tritonserver and the engine process,
+serves health probes and metrics.
+
+- The engine process is restarted whenever it exits (or hangs: no heartbeat
+  for 3 x CHECK_HEALTH_INTERVAL); tritonserver likewise.
+- /v2/health/live: 200 while the supervisor runs.
+- /v2/health/ready: 200 when Triton, the model and the engine are all up,
+  else 500 {"error_code": 1 not ready | 2 engine down | 3 engine hung, "error_msg"}.
+- METRICS_HTTP_PORT: Triton's metrics (from its internal port) + llmserve_*.
+
+SIGTERM/SIGINT stop everything gracefully (Triton first, so nothing new comes in).
+Run through `start_server.sh` (llmserve.serving.control), which checks ports first.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import zmq
+
+from llmserve.config import Config
+from llmserve.serving.ipc import EngineLink
+from llmserve.serving.metrics import EngineMetrics
+from llmserve.triton.launcher import MODEL_NAME, triton_command
+
+log = logging.getLogger("llmserve.supervisor")
+
+NOT_READY, ENGINE_DOWN, ENGINE_HUNG = 1, 2, 3
+HTTP_FRONTEND_MODULE = "llmserve.http.server"  # started when it exists and SERVICE_HTTP_PORT != -1
+
+
+def bind_host() -> str:
+    return os.environ.get("LLMSERVE_HOST", "0.0.0.0")
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("LLMSERVE_CACHE_DIR") or Path.home() / ".cache" / "llmserve")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_frontend_enabled(cfg: Config) -> bool:
+    return cfg.service_http_port != -1 and importlib.util.find_spec(HTTP_FRONTEND_MODULE) is not None
+
+
+class Child:
+    """A subprocess that the supervisor restarts when it exits."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path | None) -> None:
+        self.name, self.argv, self.env, self.log_path = name, argv, env, log_path
+        self.proc: subprocess.Popen | None = None
+        self.restarts = 0
+        self.started_at = 0.0
+        self.restart_at: float | None = None
+
+    def start(self) -> None:
+        out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 (the child owns it)
+        self.proc = subprocess.Popen(
+            self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+        )
+        if out:
+            out.close()
+        self.started_at = time.monotonic()
+        self.restart_at = None
+        log.info("started %s (pid %d)", self.name, self.proc.pid)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.alive():
+            self.proc.send_signal(sig)
+
+    def wait(self, deadline: float) -> None:
+        if self.proc is None:
+            return
+        try:
+            self.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in time: killing it", self.name)
+            self.proc.kill()
+            self.proc.wait()
+
+
+class Supervisor:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.host = bind_host()
+        self.log_dir = None if cfg.output_log_to_console else Path(cfg.log_dir)
+        self.metrics = EngineMetrics()
+        self.stopping = threading.Event()
+        self.last_hb: float | None = None
+        self.adapters = 0
+        self.triton_ready = False
+        self.triton_metrics_port = free_port()
+        env = dict(os.environ)
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        launch = triton_command(
+            grpc_port=cfg.service_grpc_port,
+            metrics_port=self.triton_metrics_port,
+            work_dir=cache_dir() / "triton",
+            host=self.host,
+            extra_env={"PYTHONUNBUFFERED": "1"},
+        )
+        self.shm_prefix = launch.shm_prefix
+        self.engine = Child(
+            "engine", [sys.executable, "-m", "llmserve.serving.engine_server"], env, self._log("engine.log")
+        )
+        self.triton = Child("tritonserver", launch.argv, launch.env, self._log("triton.log"))
+        self.children = [self.engine, self.triton]
+        if http_frontend_enabled(cfg):
+            self.children.append(
+                Child("http", [sys.executable, "-m", HTTP_FRONTEND_MODULE], env, self._log("http.log"))
+            )
+
+    def _log(self, name: str) -> Path | None:
+        return self.log_dir / name if self.log_dir else None
+
+    # ---- health ------------------------------------------------------------------
+    def health(self) -> tuple[int, str]:
+        """(0, "") when ready, else (error_code, message)."""
+        if not self.engine.alive():
+            return ENGINE_DOWN, "the engine process is down (restarting)"
+        if self.last_hb is None:
+            return NOT_READY, "the engine is starting"
+        age = time.monotonic() - self.last_hb
+        if age > self.cfg.check_health_interval:
+            return ENGINE_HUNG, f"no heartbeat from the engine for {age:.1f} s"
+        if not self.triton.alive() or not self.triton_ready:
+            return NOT_READY, "Triton server or model not ready"
+        if self.adapters == 0:
+            return NOT_READY, "the Triton model has not connected to the engine yet"
+        return 0, ""
+
+    # ---- threads -----------------------------------------------------------------
+    def _monitor(self) -> None:
+        """Receive the engine's heartbeats/stats."""
+        link = EngineLink(self.cfg.inter_proc_port, "monitor", f"monitor-{os.getpid()}", zmq.Context.instance())
+        poller = zmq.Poller()
+        link.register(poller)
+        while not self.stopping.is_set():
+            events = dict(poller.poll(200))
+            if link.monitor in events and "disconnected" in link.events():
+                self.last_hb, self.adapters = None, 0
+                self.metrics.engine_down()
+            if link.sock in events:
+                for msg in link.recv_all():
+                    if msg.get("op") == "stats":
+                        self.last_hb = time.monotonic()
+                        self.adapters = msg["adapters"]
+                        self.metrics.apply(msg)
+        link.close()
+
+    def _poll_triton(self) -> None:
+        import tritonclient.grpc as grpcclient
+
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{self.cfg.service_grpc_port}")
+        while not self.stopping.is_set():
+            try:
+                self.triton_ready = client.is_server_ready(client_timeout=2) and client.is_model_ready(
+                    MODEL_NAME, client_timeout=2
+                )
+            except Exception:
+                self.triton_ready = False
+            self.stopping.wait(0.5)
+        client.close()
+
+    def _serve_http(self, port: int, handler: type) -> ThreadingHTTPServer:
+        server = ThreadingHTTPServer((self.host, port), handler)
+        server.daemon_threads = True
+        server.supervisor = self  # type: ignore[attr-defined]
+        threading.Thread(target=server.serve_forever, name=f"http-{port}", daemon=True).start()
+        return server
+
+    # ---- main loop -----------------------------------------------------------------
+    def run(self) -> int:
+        servers = [
+            self._serve_http(self.cfg.health_http_port, HealthHandler),
+            self._serve_http(self.cfg.metrics_http_port, MetricsHandler),
+        ]
+        for target in (self._monitor, self._poll_triton):
+            threading.Thread(target=target, daemon=True).start()
+        for c in self.children:
+            c.start()
+        hung_limit = 3 * self.cfg.check_health_interval
+        while not self.stopping.wait(0.2):
+            now = time.monotonic()
+            for c in self.children:
+                if c.alive() or self.stopping.is_set():
+                    continue
+                if c.restart_at is None:
+                    code = c.proc.returncode if c.proc else None
+                    # Back off when it keeps dying right after start.
+                    delay = 1.0 if now - c.started_at > 30 else min(10.0, 1.0 * 2 ** min(c.restarts, 3))
+                    log.error("%s exited (code %s): restarting in %.0f s", c.name, code, delay)
+                    c.restart_at = now + delay
+                    if c is self.engine:
+                        self.last_hb = None
+                        self.metrics.engine_down()
+                elif now >= c.restart_at:
+                    c.restarts += 1
+                    c.start()
+            if self.engine.alive() and self.last_hb is not None and now - self.last_hb > hung_limit:
+                log.error("engine hung (no heartbeat for %.0f s): killing it", now - self.last_hb)
+                self.engine.stop(signal.SIGKILL)
+                self.last_hb = None
+        self._shutdown(servers)
+        return 0
+
+    def _shutdown(self, servers: list[ThreadingHTTPServer]) -> None:
+        log.info("stopping")
+        deadline = time.monotonic() + 15
+        for c in reversed(self.children):  # front end and Triton first: nothing new comes in
+            c.stop()
+        for c in reversed(self.children):
+            c.wait(deadline)
+        for s in servers:
+            s.shutdown()
+            s.server_close()
+        for f in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            f.unlink(missing_ok=True)
+        log.info("stopped")
+
+
+class _Handler(BaseHTTPRequestHandler):
+    def log_message(self, fmt: str, *args) -> None:
+        pass
+
+    def _reply(self, status: int, body: bytes, ctype: str = "application/json") -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", ctype)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+class HealthHandler(_Handler):
+    def do_GET(self) -> None:
+        sup: Supervisor = self.server.supervisor  # type: ignore[attr-defined]
+        path = self.path.split("?")[0].rstrip("/")
+        if path == "/v2/health/live":
+            self._reply(200, b'{"status":"live"}')
+        elif path == "/v2/health/ready":
+            code, msg = sup.health()
+            if code == 0:
+                self._reply(200, b'{"status":"ready"}')
+            else:
+                self._reply(500, json.dumps({"error_code": code, "error_msg": msg}).encode())
+        else:
+            self._reply(404, b'{"error_msg":"not found","error_code":404}')
+
+
+class MetricsHandler(_Handler):
+    def do_GET(self) -> None:
+        sup: Supervisor = self.server.supervisor  # type: ignore[attr-defined]
+        if self.path.split("?")[0].rstrip("/") not in ("", "/metrics"):
+            self._reply(404, b"not found\n", "text/plain")
+            return
+        body = sup.metrics.exposition(f"http://127.0.0.1:{sup.triton_metrics_port}/metrics")
+        self._reply(200, body, "text/plain; version=0.0.4; charset=utf-8")
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
+    sup = Supervisor(Config.from_env())
+
+    def stop(*_):
+        sup.stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    return sup.run()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

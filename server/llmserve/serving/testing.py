@@ -1,0 +1,135 @@
+"""A stack started by start_server.sh on free loopback ports, for tests and tools.
+
+with ServingStack(tmp_path, MODEL_DIR=...) as stack:
+    stack.grpc_url, stack.ready(), stack.metrics()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[3]
+PORT_VARS = ("HEALTH_HTTP_PORT", "SERVICE_GRPC_PORT", "METRICS_HTTP_PORT", "INTER_PROC_PORT")
+
+
+def free_ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    try:
+        for s in socks:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def port_is_free(port: int) -> bool:
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+class ServingStack:
+    def __init__(self, work_dir: Path, **env: str) -> None:
+        self.work_dir = Path(work_dir)
+        self.log_dir = self.work_dir / "log"
+        ports = dict(zip(PORT_VARS, free_ports(len(PORT_VARS))))
+        self.env = dict(os.environ)
+        self.env.update({k: str(v) for k, v in ports.items()})
+        self.env.update(
+            SERVICE_HTTP_PORT="-1",
+            LLMSERVE_HOST="127.0.0.1",
+            LOG_DIR=str(self.log_dir),
+            LLMSERVE_START_TIMEOUT="120",
+        )
+        self.env.update({k: str(v) for k, v in env.items()})
+        self.ports = {k: int(self.env[k]) for k in PORT_VARS}
+        self.grpc_url = f"127.0.0.1:{self.ports['SERVICE_GRPC_PORT']}"
+
+    # ---- lifecycle -----------------------------------------------------------------
+    def start(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
+        # Files, not pipes: with OUTPUT_LOG_TO_CONSOLE=1 the server keeps writing to them.
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        out, err = self.work_dir / "start.out", self.work_dir / "start.err"
+        with open(out, "w") as o, open(err, "w") as e:
+            rc = subprocess.run(
+                [str(ROOT / "start_server.sh"), *args], env=self.env, stdout=o, stderr=e, timeout=300
+            ).returncode
+        r = subprocess.CompletedProcess([], rc, out.read_text(), err.read_text())
+        if check and r.returncode != 0:
+            raise RuntimeError(f"start_server.sh failed ({r.returncode}):\n{r.stdout}\n{r.stderr}\n{self.logs()}")
+        return r
+
+    def stop(self) -> subprocess.CompletedProcess:
+        return subprocess.run([str(ROOT / "stop_server.sh")], env=self.env, capture_output=True, text=True, timeout=90)
+
+    def __enter__(self) -> ServingStack:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    @property
+    def supervisor_pid(self) -> int | None:
+        f = self.log_dir / "llmserve.run.json"
+        return json.loads(f.read_text())["pid"] if f.exists() else None
+
+    def child_pid(self, module: str) -> int:
+        """Pid of the supervisor's child whose command line names `module`."""
+        pid = self.supervisor_pid
+        for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
+            if module in Path(f"/proc/{c}/cmdline").read_bytes().decode(errors="replace"):
+                return int(c)
+        raise LookupError(module)
+
+    def logs(self) -> str:
+        out = []
+        for f in sorted(self.log_dir.glob("*.log")):
+            out.append(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-40:]))
+        return "\n".join(out)
+
+    # ---- probes ----------------------------------------------------------------------
+    def _get(self, port_var: str, path: str) -> tuple[int, str]:
+        url = f"http://127.0.0.1:{self.ports[port_var]}{path}"
+        try:
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def ready(self) -> tuple[int, str]:
+        return self._get("HEALTH_HTTP_PORT", "/v2/health/ready")
+
+    def live(self) -> tuple[int, str]:
+        return self._get("HEALTH_HTTP_PORT", "/v2/health/live")
+
+    def metrics(self) -> dict[str, float]:
+        """Samples of the metrics endpoint: 'name{labels}' -> value."""
+        status, text = self._get("METRICS_HTTP_PORT", "/metrics")
+        assert status == 200, text
+        out = {}
+        for line in text.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                out[key] = float(value)
+        return out
+
+    def wait_ready(self, timeout: float = 120) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.ready()[0] == 200:
+                return time.monotonic() - t0
+            time.sleep(0.2)
+        raise TimeoutError(f"not ready after {timeout} s: {self.ready()}\n{self.logs()}")

@@ -1,0 +1,310 @@
+"""The real stack (start_server.sh: tritonserver + Python-backend model + engine
+process + health + metrics) on free loopback ports, driven with tritonclient gRPC.
+
+One stack serves the whole module; the engine-kill test runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from llmserve.serving.testing import ServingStack
+
+tritonclient = pytest.importorskip("tritonclient.grpc")
+from llmserve.triton.client import TritonStream  # noqa: E402
+
+MAX_SEQ_LEN, MAX_DEC_LEN = 4096, 2048
+WORDS = "river stone quiet lamp orbit maple signal harbor velvet echo copper meadow lantern drift cobalt ember".split()
+
+
+def random_prompts(n: int) -> list[str]:
+    rng = random.SystemRandom()
+    return [
+        " ".join(rng.choice(WORDS) for _ in range(rng.randint(1, 12))) + f" {rng.randint(0, 999)}" for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="module")
+def demo_dir() -> str:
+    r = subprocess.run(
+        [sys.executable, "-c", "from llmserve.engine.loader import ensure_demo_model; print(ensure_demo_model())"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, demo_dir):
+    # No MODEL_DIR: the stack serves the demo model (built above into LLMSERVE_CACHE_DIR).
+    env = {"MAX_SEQ_LEN": MAX_SEQ_LEN, "MAX_DEC_LEN": MAX_DEC_LEN, "BLOCK_BS": 16, "CHECK_HEALTH_INTERVAL": 5}
+    s = ServingStack(tmp_path_factory.mktemp("stack"), **env)
+    s.env.pop("MODEL_DIR", None)
+    s.start()
+    yield s
+    r = s.stop()
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.fixture
+def client(stack):
+    c = TritonStream(stack.grpc_url)
+    yield c
+    c.close()
+
+
+def collect(q, timeout: float = 60) -> list[dict]:
+    msgs = []
+    while True:
+        m = q.get(timeout=timeout)
+        msgs.append(m)
+        if m.get("is_end"):
+            return msgs
+
+
+def offline_greedy(model_dir: str, prompts: list[str], max_tokens: int) -> list[dict]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "llmserve.cli",
+        "generate",
+        "--model",
+        model_dir,
+        "--max-tokens",
+        str(max_tokens),
+        "--temperature",
+        "0",
+    ]
+    for p in prompts:
+        cmd += ["--prompt", p]
+    env = dict(os.environ, MAX_SEQ_LEN=str(MAX_SEQ_LEN), MAX_DEC_LEN=str(MAX_DEC_LEN), BLOCK_BS="16")
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert r.returncode == 0, r.stderr
+    return [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+
+
+def test_health_and_ready(stack):
+    assert stack.live()[0] == 200
+    status, body = stack.ready()
+    assert status == 200, body
+
+
+def test_streams_match_offline_generate_and_32_run_concurrently(stack, client, demo_dir):
+    prompts = random_prompts(32)
+    max_tokens = random.SystemRandom().randint(8, 24)
+    ref = offline_greedy(demo_dir, prompts, max_tokens)
+    assert len(ref) == 32
+    queues = [
+        client.submit({"text": p, "max_dec_len": max_tokens, "temperature": 0, "return_usage": True}) for p in prompts
+    ]
+    for q, expect in zip(queues, ref):
+        msgs = collect(q)
+        assert all(m["error_code"] == 0 for m in msgs), msgs[-1]
+        assert [m["send_idx"] for m in msgs] == list(range(len(msgs)))
+        assert [m["is_end"] for m in msgs] == [0] * (len(msgs) - 1) + [1]
+        token_ids = [t for m in msgs for t in m["token_ids"]]
+        assert token_ids == expect["token_ids"]
+        assert msgs[-1]["tokens_all"] == "".join(m["token"] for m in msgs) == expect["text"]
+        assert msgs[-1]["finish_reason"] == expect["finish_reason"]
+        assert msgs[-1]["usage"]["completion_tokens"] == len(token_ids)
+        assert msgs[-1]["usage"]["prompt_tokens"] == len(expect["prompt_token_ids"])
+
+
+def test_admission_errors(stack, client):
+    cases = [
+        ({"text": "hi", "max_dec_len": MAX_DEC_LEN + 1}, 400, "MAX_DEC_LEN"),
+        ({"text": "hi", "min_dec_len": MAX_DEC_LEN + 1}, 400, "MAX_DEC_LEN"),
+        ({"input_ids": [5] * MAX_SEQ_LEN}, 413, "MAX_SEQ_LEN"),
+        ({"text": "hi", "temperature": -1}, 400, "temperature"),
+        ({"max_dec_len": 3}, 400, "text"),
+        ({"text": "hi", "topp": 1.5}, 400, "topp"),
+    ]
+    for body, code, word in cases:
+        (msg,) = collect(client.submit(body))
+        assert msg["error_code"] == code and word in msg["error_msg"], (body, msg)
+        assert msg["is_end"] == 1
+    # Not JSON at all: the adapter answers 400 itself.
+    (msg,) = collect(client.submit_raw(b"{not json"))
+    assert msg["error_code"] == 400 and msg["is_end"] == 1
+
+
+def test_timeout_aborts_and_duplicate_is_refused(stack, client):
+    rid = f"long-{uuid.uuid4()}"
+    long = {
+        "req_id": rid,
+        "text": random_prompts(1)[0],
+        "max_dec_len": MAX_DEC_LEN,
+        "min_dec_len": MAX_DEC_LEN,
+        "timeout": 0.3,
+    }
+    before = stack.metrics()
+    q1 = client.submit(long)
+    (dup,) = collect(client.submit({"req_id": rid, "text": "again"}))
+    assert dup["error_code"] == 409 and rid in dup["error_msg"]
+    t0 = time.monotonic()
+    msgs = collect(q1)
+    assert msgs[-1]["error_code"] == 408, msgs[-1]
+    assert time.monotonic() - t0 < 5
+    time.sleep(1.2)  # stats reach the supervisor every 0.5 s
+    after = stack.metrics()
+    assert after["llmserve_requests_running"] == 0 and after["llmserve_requests_waiting"] == 0
+    key = 'llmserve_request_failure_total{error_code="408"}'
+    assert after[key] - before.get(key, 0) == 1
+    # The same req_id is free again.
+    msgs = collect(client.submit({"req_id": rid, "text": "again", "max_dec_len": 2}))
+    assert msgs[-1]["error_code"] == 0
+
+
+def test_metrics_move_with_requests(stack, client):
+    time.sleep(1.0)
+    before = stack.metrics()
+    n, prompts = 5, random_prompts(5)
+    outs = [
+        collect(client.submit({"text": p, "max_dec_len": 6, "min_dec_len": 6, "return_usage": True, "topp": 0.9}))
+        for p in prompts
+    ]
+    bad = [collect(client.submit({"text": "x", "max_dec_len": MAX_DEC_LEN + 5})) for _ in range(2)]
+    assert all(o[-1]["error_code"] == 0 for o in outs) and all(b[-1]["error_code"] == 400 for b in bad)
+    time.sleep(1.2)
+    after = stack.metrics()
+
+    def delta(k: str) -> float:
+        return after.get(k, 0.0) - before.get(k, 0.0)
+
+    assert delta("llmserve_prompt_tokens_total") == sum(o[-1]["usage"]["prompt_tokens"] for o in outs)
+    assert delta("llmserve_generation_tokens_total") == sum(o[-1]["usage"]["completion_tokens"] for o in outs) == 6 * n
+    assert delta('llmserve_request_success_total{finish_reason="length"}') == n
+    assert delta('llmserve_request_failure_total{error_code="400"}') == 2
+    for h in ("time_to_first_token_seconds", "time_per_output_token_seconds", "e2e_request_latency_seconds"):
+        assert delta(f"llmserve_{h}_count") == n
+        assert delta(f"llmserve_{h}_sum") > 0
+    assert after["llmserve_kv_blocks_total"] > 0
+    # Triton's own metrics come through the same endpoint.
+    assert delta('nv_inference_request_success{model="model",version="1"}') >= n
+
+
+def test_docs_client_example_runs(stack):
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
+    code = doc.split("A runnable client")[1].split("```python\n")[1].split("```")[0]
+    code = code.replace("127.0.0.1:8811", stack.grpc_url)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "'completion_tokens': 32" in r.stdout or "'finish_reason'" not in r.stdout
+
+
+def test_cancelled_stream_aborts_in_engine(stack):
+    key = "llmserve_generation_tokens_total"
+    before = stack.metrics()[key]
+    c = TritonStream(stack.grpc_url)
+    n, body = 16, {"max_dec_len": MAX_DEC_LEN, "min_dec_len": MAX_DEC_LEN}
+    qs = [c.submit({"text": p, **body}) for p in random_prompts(n)]
+    assert all(q.get(timeout=30)["error_code"] == 0 for q in qs)  # they run
+    c.client.stop_stream(cancel_requests=True)
+    c.client.close()
+    time.sleep(1.0)  # the gauges are at most 0.5 s old: let them show the running batch first
+    deadline = time.monotonic() + 60
+    while stack.metrics()["llmserve_requests_running"] and time.monotonic() < deadline:
+        time.sleep(0.3)
+    time.sleep(0.6)
+    after = stack.metrics()
+    assert after["llmserve_requests_running"] == 0
+    # Run to the end they would have made n * MAX_DEC_LEN tokens: aborted, they made far fewer.
+    assert after[key] - before < n * MAX_DEC_LEN / 2
+
+
+def test_engine_sends_one_message_per_step_for_all_requests(stack):
+    """Talk to the engine process directly, as the adapter does: tokens of a step travel together."""
+    import zmq
+
+    from llmserve.serving.ipc import EngineLink
+
+    link = EngineLink(stack.ports["INTER_PROC_PORT"], "adapter", f"test-{uuid.uuid4().hex[:6]}", zmq.Context())
+    deadline = time.monotonic() + 10
+    while not link.connected and time.monotonic() < deadline:
+        link.monitor.poll(100)
+        link.events()
+    n, max_tokens = 8, 12
+    ids = [f"batch-{uuid.uuid4()}" for _ in range(n)]
+    for rid, p in zip(ids, random_prompts(n)):
+        body = {"req_id": rid, "text": p, "max_dec_len": max_tokens, "min_dec_len": max_tokens}
+        assert link.send({"op": "add", "body": body})
+    messages, ended = [], set()
+    while len(ended) < n and time.monotonic() < deadline + 30:
+        if link.sock.poll(1000):
+            for msg in link.recv_all():
+                if msg["op"] == "out":
+                    messages.append(msg["items"])
+                    ended |= {i["req_id"] for i in msg["items"] if i["is_end"]}
+    link.close()
+    assert ended == set(ids)
+    items = [i for m in messages for i in m]
+    assert sum(len(i["token_ids"]) for i in items) == n * max_tokens
+    for m in messages:  # one entry per request and step
+        rids = [i["req_id"] for i in m]
+        assert len(rids) == len(set(rids))
+    assert len(messages) < len(items) and max(len(m) for m in messages) == n
+
+
+def test_hung_engine_turns_ready_off_and_fails_in_flight(stack, client):
+    engine = stack.child_pid("llmserve.serving.engine_server")
+    os.kill(engine, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        q = client.submit({"text": "anyone there?", "max_dec_len": 4})
+        msgs = collect(q, timeout=30)
+        assert msgs[-1]["error_code"] == 500 and "not responding" in msgs[-1]["error_msg"], msgs[-1]
+        assert time.monotonic() - t0 < 5 + 3  # CHECK_HEALTH_INTERVAL=5
+        status, body = stack.ready()
+        assert status == 500 and json.loads(body)["error_code"] == 3, body
+        assert stack.live()[0] == 200
+    finally:
+        os.kill(engine, signal.SIGCONT)
+    stack.wait_ready(30)
+    assert stack.child_pid("llmserve.serving.engine_server") == engine  # it recovered: no restart
+
+
+def test_engine_kill_fails_in_flight_and_restarts(stack, client):
+    probe = {"text": "the same prompt every time", "max_dec_len": 10, "temperature": 0}
+    expect = [t for m in collect(client.submit(probe)) for t in m["token_ids"]]
+    queues = [
+        client.submit({"text": p, "max_dec_len": MAX_DEC_LEN, "min_dec_len": MAX_DEC_LEN}) for p in random_prompts(4)
+    ]
+    assert all(q.get(timeout=30)["error_code"] == 0 for q in queues)  # all running
+    os.kill(stack.child_pid("llmserve.serving.engine_server"), signal.SIGKILL)
+    t0 = time.monotonic()
+    for q in queues:
+        msgs = collect(q, timeout=10)
+        assert msgs[-1]["error_code"] == 500, msgs[-1]
+    assert time.monotonic() - t0 < 5
+    status, body = stack.ready()
+    assert status == 500 and json.loads(body)["error_code"] in (1, 2), body
+    (down,) = collect(client.submit(probe))  # nothing hangs while it is down
+    assert down["error_code"] == 503
+    stack.wait_ready(120)
+    got = collect(client.submit(probe))
+    assert [t for m in got for t in m["token_ids"]] == expect
+
+
+def test_tritonserver_death_is_restarted(stack):
+    os.kill(stack.child_pid("tritonserver"), signal.SIGKILL)
+    time.sleep(0.3)
+    status, body = stack.ready()
+    assert status == 500 and json.loads(body)["error_code"] == 1, body
+    stack.wait_ready(60)
+    c = TritonStream(stack.grpc_url)
+    try:
+        assert collect(c.submit({"text": "back again", "max_dec_len": 3}))[-1]["error_code"] == 0
+    finally:
+        c.close()
