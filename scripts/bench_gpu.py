@@ -379,7 +379,7 @@ def main() -> None:
     R["torch"] = torch.__version__
     R["copy_tb_s"] = copy_bandwidth() / 1e12
     root = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
-    model_dir = args.model_dir or f"{root}/llmserve-random-v2-{args.shape}"
+    model_dir = args.model_dir or f"{root}/llmserve-random-v3-{args.shape}"
     t = time.perf_counter()
     write_random_checkpoint(model_dir, args.shape)
     R["build_model_s"] = time.perf_counter() - t

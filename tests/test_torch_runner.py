@@ -409,7 +409,7 @@ def test_8b_shaped_logits_and_greedy_match_transformers(tmp_path):
     shape = os.environ.get("LLMSERVE_PARITY_SHAPE", "llama3-8b")
     root = "/dev/shm" if os.path.isdir("/dev/shm") and HAS_CUDA else str(tmp_path)
     path = write_random_checkpoint(
-        f"{root}/llmserve-random-v2-{shape}", shape, device=DEV, dtype=torch.bfloat16 if HAS_CUDA else torch.float32
+        f"{root}/llmserve-random-v3-{shape}", shape, device=DEV, dtype=torch.bfloat16 if HAS_CUDA else torch.float32
     )
     runner = TorchRunner(str(path), Config(block_size=64, max_seq_len=1024, batch_size=8, block_bs=8))
     rng = np.random.default_rng(0)
@@ -462,10 +462,10 @@ def test_8b_shaped_logits_and_greedy_match_transformers(tmp_path):
             assert gap <= 2 * noise, (r.req_id, j, gap, noise)
         report.append((r.req_id, r.num_prompt_tokens, mism[:1]))
     print("parity:", report, worst)
-    # Measured on an H200 (docs/gpu.md): this random 32-layer model is so sensitive to rounding that
-    # HF's own bf16 forward is ~7% off its fp32 one, so 1e-2 against HF bf16 is out of reach for any
-    # bf16 implementation with other rounding. We require ours to be no less exact than HF in bf16,
-    # and within 1e-2 of HF bf16 beyond HF's own bf16 error.
+    # Measured on an H200 (docs/gpu.md): HF's own bf16 forward is ~1.8e-2 off its fp32 one on this
+    # random 32-layer model (HF keeps the residual in bf16), so 1e-2 against HF bf16 is out of reach
+    # for any bf16 implementation with other rounding; ours was 1.2e-2 off the fp32 function. We
+    # require ours to be no less exact than HF in bf16, and within 1e-2 of HF bf16 beyond HF's error.
     assert worst["ours_vs_fp32"] <= max(1e-2, 1.1 * worst["hf_bf16_vs_fp32"]), worst
     assert worst["ours_vs_hf_bf16"] < 1e-2 + worst["hf_bf16_vs_fp32"], worst
 
