@@ -356,7 +356,8 @@ def test_transport_errors_on_the_stack(stack):
 def test_duplicate_req_id_is_409(stack):
     url = stack["base"] + "/v1/chat/completions"
     req_id = uuid.uuid4().hex
-    body = {"text": "long one", "req_id": req_id, "max_dec_len": 600, "min_dec_len": 600, "stream": True}
+    # ~1000 tokens keeps it in flight for seconds even on a busy machine.
+    body = {"text": "long one", "req_id": req_id, "max_dec_len": 1000, "min_dec_len": 1000, "stream": True}
     with requests.post(url, json=body, stream=True, timeout=60) as first:
         next(first.iter_lines())  # in flight now
         r = requests.post(url, json={"text": "again", "req_id": req_id}, timeout=30)

@@ -67,6 +67,9 @@ def _serve(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
+SECRET_SETTINGS = frozenset({"API_KEY"})
+
+
 def _config(args: argparse.Namespace) -> int:
     from llmserve.config import Config
 
@@ -74,7 +77,10 @@ def _config(args: argparse.Namespace) -> int:
     for env, aliases, default, doc in Config.settings_table():
         field = next(f for f in cfg.__dataclass_fields__.values() if f.metadata.get("env") == env)
         alias = f" ({', '.join(aliases)})" if aliases else ""
-        print(f"{env}{alias} = {getattr(cfg, field.name)!r}  # default {default!r}: {doc}")
+        value = getattr(cfg, field.name)
+        if env in SECRET_SETTINGS and value:
+            value = "<set, hidden>"  # never print a secret (terminals and CI logs keep it)
+        print(f"{env}{alias} = {value!r}  # default {default!r}: {doc}")
     return 0
 
 

@@ -117,6 +117,9 @@ class Config:
     use_warmup: bool = _setting("USE_WARMUP", False, _bool, doc="warm up before ready")
     use_cache_kv_int8: bool = _setting("USE_CACHE_KV_INT8", False, _bool, doc="int8 KV cache")
     check_health_interval: float = _setting("CHECK_HEALTH_INTERVAL", 10.0, float, doc="engine heartbeat timeout (s)")
+    drain_timeout: float = _setting(
+        "LLMSERVE_DRAIN_TIMEOUT", 10.0, float, doc="on SIGTERM: seconds requests in flight may take to finish"
+    )
     output_log_to_console: bool = _setting("OUTPUT_LOG_TO_CONSOLE", False, _bool, doc="logs to console instead of log/")
     log_dir: str = _setting("LOG_DIR", "log", _str, doc="log directory")
     api_key: str = _setting("API_KEY", "", _str, doc="require Authorization: Bearer <key> (empty: open)")
@@ -153,6 +156,8 @@ class Config:
             errors.append(f"LLMSERVE_DEVICE={self.device!r}: expected auto, cpu or cuda")
         if self.check_health_interval <= 0:
             errors.append(f"CHECK_HEALTH_INTERVAL={self.check_health_interval}: must be positive")
+        if self.drain_timeout < 0:
+            errors.append(f"LLMSERVE_DRAIN_TIMEOUT={self.drain_timeout}: must be >= 0")
         if errors:
             raise ConfigError("invalid settings: " + "; ".join(errors))
 

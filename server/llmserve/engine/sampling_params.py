@@ -63,5 +63,7 @@ class SamplingParams:
                 bad(name, "must be finite")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.seed is not None and self.seed < 0:
+            bad("seed", f"must be >= 0, got {self.seed}")  # numpy's generators refuse it (it killed the engine)
         if any(not s for s in self.stop):
             bad("stop", "empty stop string")

@@ -32,6 +32,7 @@ from llmserve.config import Config
 from llmserve.http.errors import ApiError, Style, error_body, error_response
 from llmserve.http.native import HttpNativeRequest, handle_native
 from llmserve.http.openai import handle_chat, handle_completions
+from llmserve.http.server import die_with_parent
 from llmserve.http.triton_client import Backend, TritonBackend
 from llmserve.protocol.native import is_native_body
 from llmserve.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -105,8 +106,16 @@ async def _json_body(request: Request) -> dict:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: it is nested too deeply") from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
+    try:  # what goes on to Triton must encode: no lone surrogates ("\ud800")
+        json.dumps(body, ensure_ascii=False).encode()
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"the request body holds invalid Unicode (a lone surrogate escape): {e.reason}") from None
+    except (RecursionError, ValueError) as e:
+        raise ApiError(400, f"the request body cannot be forwarded: {e}") from None
     return body
 
 
@@ -149,6 +158,7 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        die_with_parent()
         app.state.backend = make_backend(cfg)  # gRPC aio channels belong to this worker's loop
         yield
         await app.state.backend.close()

@@ -14,6 +14,26 @@ import sys
 
 from llmserve.config import Config, ConfigError
 
+PARENT_ENV = "LLMSERVE_HTTP_PARENT_PID"
+
+
+def die_with_parent() -> None:
+    """In a uvicorn worker process: get SIGTERM when the uvicorn parent dies.
+
+    Otherwise, when the parent is killed (SIGKILL, OOM), its orphaned workers keep the listening
+    socket, and every restart of the front end fails with "Address already in use".
+    """
+    parent = os.environ.get(PARENT_ENV)
+    if not parent or int(parent) == os.getpid() or not sys.platform.startswith("linux"):
+        return  # not a worker of our uvicorn parent (single-process mode, tests)
+    import ctypes
+    import signal
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    if os.getppid() != int(parent):  # it died before we asked
+        os.kill(os.getpid(), signal.SIGTERM)
+
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m llmserve.http", description=__doc__)
@@ -30,6 +50,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import uvicorn
 
+    os.environ[PARENT_ENV] = str(os.getpid())  # the workers inherit it: see die_with_parent
+    from llmserve.http.limits import LimitedHttpToolsProtocol
+
     uvicorn.run(
         "llmserve.http.app:create_app",
         factory=True,
@@ -39,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         access_log=False,
+        http=LimitedHttpToolsProtocol,  # caps the request head (431); the app caps the body (413)
     )
     return 0
 

@@ -24,6 +24,7 @@ log = logging.getLogger("llmserve.http")
 
 MODEL_NAME = "model"
 STREAM_SLACK_S = 30.0  # the engine enforces `timeout`; this only guards against a stuck stream
+MAX_STREAM_S = 7 * 24 * 3600.0
 
 
 class Backend(Protocol):
@@ -71,7 +72,8 @@ class TritonBackend:
             # model may answer after the client half-closes, but we do not rely on it.
             await done.wait()
 
-        timeout = float(body.get("timeout") or 300.0) + STREAM_SLACK_S
+        # Capped: a huge `timeout` (1e308, Infinity) must not overflow the gRPC deadline into "expired".
+        timeout = min(float(body.get("timeout") or 300.0), MAX_STREAM_S) + STREAM_SLACK_S
         call = self.client.stream_infer(requests(), stream_timeout=timeout)
         finished = False
         try:

@@ -115,8 +115,17 @@ def start() -> int:
         for p in problems:
             print(f"start_server: {p}", file=sys.stderr)
         return 2
-    log_dir.mkdir(parents=True, exist_ok=True)
-    out = None if cfg.output_log_to_console else open(log_dir / "server.log", "ab")  # noqa: SIM115
+    # LOG_DIR holds the run file (and the logs): fail here, clearly, when it cannot be written.
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)
+        probe = log_dir / f".llmserve-write-test-{os.getpid()}"
+        probe.write_bytes(b"ok")
+        probe.unlink()
+        out = None if cfg.output_log_to_console else open(log_dir / "server.log", "ab")  # noqa: SIM115
+    except OSError as e:
+        where = e.filename or log_dir
+        print(f"start_server: cannot write to LOG_DIR={log_dir} ({where}: {e.strerror or e})", file=sys.stderr)
+        return 2
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmserve.serving.supervisor"],
         stdin=subprocess.DEVNULL,

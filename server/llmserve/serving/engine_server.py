@@ -60,6 +60,7 @@ class EngineServer:
         self.finished: list[list] = []  # [finish_reason, ttft, tpot, e2e]
         self.failed: list[int] = []  # error codes
         self.stopping = False
+        self.draining = False  # SIGUSR1 (the supervisor, on SIGTERM): finish what runs, refuse new work
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
@@ -112,6 +113,8 @@ class EngineServer:
         try:
             req = native.parse(body)
             req_id = req.req_id
+            if self.draining:
+                raise NativeError(native.NOT_READY, "the server is shutting down: not taking new requests")
             if req_id in self.live:
                 raise NativeError(native.DUPLICATE, f"req_id {req_id!r} is already in flight")
             if waiting >= self.cfg.max_cached_task_num:
@@ -226,6 +229,8 @@ class EngineServer:
             "op": "stats",
             "pid": os.getpid(),
             "adapters": len(self.adapters),
+            "live": len(self.live),
+            "draining": self.draining,
             "running": st.running,
             "waiting": st.waiting,
             "kv_blocks_used": st.kv_blocks_used,
@@ -280,8 +285,13 @@ def main() -> None:
     def stop(*_):
         server.stopping = True
 
+    def drain(*_):
+        server.draining = True
+        log.info("draining: new requests get 503, %d in flight finish", len(server.live))
+
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGUSR1, drain)
     server.serve()
 
 

@@ -8,7 +8,9 @@ serves health probes and metrics.
   else 500 {"error_code": 1 not ready | 2 engine down | 3 engine hung, "error_msg"}.
 - METRICS_HTTP_PORT: Triton's metrics (from its internal port) + llmserve_*.
 
-SIGTERM/SIGINT stop everything gracefully (Triton first, so nothing new comes in).
+SIGTERM/SIGINT stop everything gracefully: first a drain (the engine refuses new
+requests with 503 while those in flight finish, for up to LLMSERVE_DRAIN_TIMEOUT
+seconds; ready turns 500), then the front end, Triton and the engine, in turn.
 Run through `start_server.sh` (llmserve.serving.control), which checks ports first.
 """
 
@@ -98,13 +100,43 @@ class Child:
             self.proc.wait()
 
 
+STUB = "triton_python_backend_stub"
+
+
+def stub_state(triton_pid: int) -> str | None:
+    """State of tritonserver's Python-backend stub: "alive", "dead" (a zombie) or None (none seen)."""
+    state = None
+    for children in Path(f"/proc/{triton_pid}/task").glob("*/children"):
+        try:
+            pids = children.read_text().split()
+        except OSError:
+            continue
+        for pid in pids:
+            try:
+                if STUB not in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    continue
+                zombie = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] == "Z"
+            except (OSError, IndexError):
+                zombie = True
+            if not zombie:
+                return "alive"
+            state = "dead"
+    return state
+
+
 class Supervisor:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
         self.host = bind_host()
         self.log_dir = None if cfg.output_log_to_console else Path(cfg.log_dir)
         self.metrics = EngineMetrics()
-        self.stopping = threading.Event()
+        self.stopping = threading.Event()  # SIGTERM: leave the main loop, drain, stop
+        self.closed = threading.Event()  # the monitor thread's end (it must see the drain)
+        self.draining = False
+        self.engine_live: int | None = None  # requests in flight in the engine (its last stats)
+        self.engine_draining = False
+        self.stub_seen: int | None = None  # the tritonserver pid whose stub we saw alive
+        self.next_stub_check = 0.0
         self.last_hb: float | None = None
         self.adapters = 0
         self.triton_ready = False
@@ -135,6 +167,8 @@ class Supervisor:
     # ---- health ------------------------------------------------------------------
     def health(self) -> tuple[int, str]:
         """(0, "") when ready, else (error_code, message)."""
+        if self.draining:
+            return NOT_READY, "the server is shutting down (draining requests in flight)"
         if not self.engine.alive():
             return ENGINE_DOWN, "the engine process is down (restarting)"
         if self.last_hb is None:
@@ -154,7 +188,7 @@ class Supervisor:
         link = EngineLink(self.cfg.inter_proc_port, "monitor", f"monitor-{os.getpid()}", zmq.Context.instance())
         poller = zmq.Poller()
         link.register(poller)
-        while not self.stopping.is_set():
+        while not self.closed.is_set():
             events = dict(poller.poll(200))
             if link.monitor in events and "disconnected" in link.events():
                 self.last_hb, self.adapters = None, 0
@@ -164,6 +198,8 @@ class Supervisor:
                     if msg.get("op") == "stats":
                         self.last_hb = time.monotonic()
                         self.adapters = msg["adapters"]
+                        self.engine_live = msg.get("live")
+                        self.engine_draining = bool(msg.get("draining"))
                         self.metrics.apply(msg)
         link.close()
 
@@ -216,6 +252,7 @@ class Supervisor:
                 elif now >= c.restart_at:
                     c.restarts += 1
                     c.start()
+            self._check_stub(now)
             if self.engine.alive() and self.last_hb is not None and now - self.last_hb > hung_limit:
                 log.error("engine hung (no heartbeat for %.0f s): killing it", now - self.last_hb)
                 self.engine.stop(signal.SIGKILL)
@@ -223,12 +260,47 @@ class Supervisor:
         self._shutdown(servers)
         return 0
 
+    def _check_stub(self, now: float) -> None:
+        """Triton does not restart the stub of a decoupled Python model that died: every request then
+        fails ("Stub process is not healthy") while Triton still reports the model ready. Restart Triton."""
+        if now < self.next_stub_check or not self.triton.alive():
+            return
+        self.next_stub_check = now + 0.5
+        pid = self.triton.proc.pid
+        state = stub_state(pid)
+        if state == "alive":
+            self.stub_seen = pid
+        elif self.stub_seen == pid:  # it was up, now it is gone or a zombie
+            log.error("the Triton Python-backend stub died: restarting tritonserver")
+            self.triton_ready = False
+            self.stub_seen = None
+            self.triton.stop(signal.SIGKILL)
+
+    def _drain(self) -> None:
+        """Let requests in flight finish (up to LLMSERVE_DRAIN_TIMEOUT s) while new ones get 503."""
+        self.draining = True
+        grace = self.cfg.drain_timeout
+        if grace <= 0 or not self.engine.alive() or self.last_hb is None:
+            return
+        log.info("draining: new requests get 503; waiting up to %.0f s for those in flight", grace)
+        self.engine.stop(signal.SIGUSR1)
+        deadline = time.monotonic() + grace
+        while time.monotonic() < deadline and self.engine.alive():
+            # Wait for a heartbeat sent after the drain began that shows nothing in flight.
+            if self.engine_draining and self.engine_live == 0:
+                log.info("drained")
+                return
+            time.sleep(0.05)
+        log.warning("drain: %s requests still in flight after %.0f s", self.engine_live, grace)
+
     def _shutdown(self, servers: list[ThreadingHTTPServer]) -> None:
         log.info("stopping")
+        self._drain()
+        self.closed.set()
+        # One at a time, front end and Triton first: nothing new comes in while the next stops.
         deadline = time.monotonic() + 15
-        for c in reversed(self.children):  # front end and Triton first: nothing new comes in
-            c.stop()
         for c in reversed(self.children):
+            c.stop()
             c.wait(deadline)
         for s in servers:
             s.shutdown()

@@ -133,3 +133,55 @@ class ServingStack:
                 return time.monotonic() - t0
             time.sleep(0.2)
         raise TimeoutError(f"not ready after {timeout} s: {self.ready()}\n{self.logs()}")
+
+
+# ---- reliability helpers -----------------------------------------------------------
+def http_stack(work_dir: Path, **env) -> ServingStack:
+    """A ServingStack with the HTTP front end on a free loopback port (`stack.http_base`)."""
+    (port,) = free_ports(1)
+    env = {"SERVICE_HTTP_PORT": port, **env}
+    stack = ServingStack(work_dir, **env)
+    if "MODEL_DIR" not in env:
+        stack.env.pop("MODEL_DIR", None)  # the demo model
+    stack.ports["SERVICE_HTTP_PORT"] = int(stack.env["SERVICE_HTTP_PORT"])
+    stack.http_base = f"http://127.0.0.1:{stack.ports['SERVICE_HTTP_PORT']}"  # type: ignore[attr-defined]
+    return stack
+
+
+def _ppid_map() -> dict[int, int]:
+    out = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(") ", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if fields[0] != "Z":
+            out[int(stat.parent.name)] = int(fields[1])
+    return out
+
+
+def process_tree(root: int) -> list[int]:
+    """`root` and every live descendant."""
+    parents = _ppid_map()
+    tree, frontier = [], [root]
+    while frontier:
+        pid = frontier.pop()
+        if pid in parents:
+            tree.append(pid)
+            frontier += [p for p, pp in parents.items() if pp == pid]
+    return tree
+
+
+def resource_counts(root: int) -> dict[str, int]:
+    """Processes, threads (/proc/<pid>/status) and open file descriptors (/proc/<pid>/fd) of a tree."""
+    procs = threads = fds = 0
+    for pid in process_tree(root):
+        try:
+            status = Path(f"/proc/{pid}/status").read_text()
+            n_fd = len(os.listdir(f"/proc/{pid}/fd"))
+        except OSError:
+            continue
+        procs += 1
+        threads += int(next(line.split()[1] for line in status.splitlines() if line.startswith("Threads:")))
+        fds += n_fd
+    return {"processes": procs, "threads": threads, "fds": fds}
