@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import secrets
 import subprocess
+import sys
 
 import pytest
 import requests
@@ -73,7 +74,9 @@ def test_the_key_is_never_logged(stack):
     )
     assert r.status_code == 400
     # `llmserve config` shows that a key is set, not the key.
-    cfg = subprocess.run(["llmserve", "config"], env=stack.env, capture_output=True, text=True, timeout=60)
+    cfg = subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", "config"], env=stack.env, capture_output=True, text=True, timeout=60
+    )
     assert "API_KEY" in cfg.stdout and KEY not in cfg.stdout + cfg.stderr
     files = [*stack.log_dir.iterdir(), *stack.work_dir.glob("start.*")]
     assert any(f.name == "http.log" for f in files)
