@@ -1,5 +1,7 @@
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,3 +28,16 @@ def pytest_collection_modifyitems(config, items):
 def fresh_seed() -> int:
     """A new seed each run (printed on failure by pytest's -ra through the test id's locals)."""
     return random.SystemRandom().randrange(1 << 30)
+
+
+@pytest.fixture(scope="session")
+def demo_dir() -> str:
+    """The demo model, built once into the test cache (in a subprocess: Paddle stays out of pytest)."""
+    r = subprocess.run(
+        [sys.executable, "-c", "from llmserve.engine.loader import ensure_demo_model; print(ensure_demo_model())"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    return r.stdout.strip().splitlines()[-1]

@@ -29,6 +29,7 @@ from llmserve.bench.backends import make_backend
 from llmserve.bench.metrics import RequestResult, summarize
 from llmserve.bench.runner import run_level
 from llmserve.bench.workload import SHAREGPT, BenchRequest, Vocab, arrival_delays, build_workload
+from llmserve.serving.testing import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
 LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
@@ -368,22 +369,12 @@ PORT_VARS = ("HEALTH_HTTP_PORT", "SERVICE_GRPC_PORT", "METRICS_HTTP_PORT", "INTE
 STACK_MAX_SEQ_LEN = 256
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     if not (ROOT / "start_server.sh").exists() or not (ROOT / "server/llmserve/http/server.py").exists():
         pytest.skip("the serving stack (start_server.sh, HTTP front end) is not there yet")
     log_dir = tmp_path_factory.mktemp("bench_stack_log")
-    ports = dict(zip(PORT_VARS, map(str, _free_ports(len(PORT_VARS)))))
+    ports = dict(zip(PORT_VARS, map(str, free_ports(len(PORT_VARS)))))
     env = dict(os.environ, **ports, LOG_DIR=str(log_dir), LLMSERVE_HOST="127.0.0.1", PUSH_MODE_HTTP_WORKERS="1")
     env |= {"MAX_SEQ_LEN": str(STACK_MAX_SEQ_LEN), "MAX_DEC_LEN": "64", "BLOCK_BS": "8", "API_KEY": ""}
     env |= {"LLMSERVE_START_TIMEOUT": "300"}

@@ -13,7 +13,6 @@ import json
 import os
 import random
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -24,18 +23,10 @@ from pathlib import Path
 import pytest
 import requests
 
+from llmserve.serving.testing import free_ports
+
 ROOT = Path(__file__).resolve().parents[1]
 PORT_VARS = ("HEALTH_HTTP_PORT", "SERVICE_GRPC_PORT", "METRICS_HTTP_PORT", "INTER_PROC_PORT", "SERVICE_HTTP_PORT")
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def wait_http(url: str, timeout: float = 60.0, headers: dict | None = None) -> None:

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import random
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -20,18 +18,6 @@ pytest.importorskip("tritonclient.grpc")
 from llmserve.triton.client import TritonStream  # noqa: E402
 
 CYCLES = int(os.environ.get("LLMSERVE_TEST_CYCLES", "10"))  # the issue asks for ten in a row
-
-
-@pytest.fixture(scope="module")
-def demo_dir() -> str:
-    r = subprocess.run(
-        [sys.executable, "-c", "from llmserve.engine.loader import ensure_demo_model; print(ensure_demo_model())"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return r.stdout.strip().splitlines()[-1]
 
 
 def collect(q, timeout: float = 60) -> list[dict]:

@@ -35,18 +35,6 @@ def random_prompts(n: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def demo_dir() -> str:
-    r = subprocess.run(
-        [sys.executable, "-c", "from llmserve.engine.loader import ensure_demo_model; print(ensure_demo_model())"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=True,
-    )
-    return r.stdout.strip().splitlines()[-1]
-
-
-@pytest.fixture(scope="module")
 def stack(tmp_path_factory, demo_dir):
     # No MODEL_DIR: the stack serves the demo model (built above into LLMSERVE_CACHE_DIR).
     env = {"MAX_SEQ_LEN": MAX_SEQ_LEN, "MAX_DEC_LEN": MAX_DEC_LEN, "BLOCK_BS": 16, "CHECK_HEALTH_INTERVAL": 5}
