@@ -90,3 +90,20 @@ def test_native_or_openai_body():
     assert native.is_native_body({"text": "x", "model": "m"})
     assert native.is_native_body({"messages": []})
     assert not native.is_native_body({"model": "m", "messages": [], "max_tokens": 3})
+
+
+def test_launcher_uses_an_image_s_own_tritonserver(tmp_path, monkeypatch):
+    """TRITONSERVER_BIN / TRITON_BACKEND_DIR (a Triton container) replace the wheel's server and backends."""
+    from llmserve.triton import launcher
+
+    wheel = launcher.triton_command(grpc_port=1, metrics_port=2, work_dir=tmp_path / "w")
+    backends = tmp_path / "backends"
+    (backends / "python").mkdir(parents=True)
+    monkeypatch.setenv("TRITONSERVER_BIN", wheel.argv[0])
+    monkeypatch.setenv("TRITON_BACKEND_DIR", str(backends))
+    own = launcher.triton_command(grpc_port=1, metrics_port=2, work_dir=tmp_path / "w2")
+    assert own.argv[0] == wheel.argv[0] and f"--backend-directory={backends}" in own.argv
+    assert not (tmp_path / "w2").exists()  # nothing copied from the wheel
+    monkeypatch.setenv("TRITONSERVER_BIN", str(tmp_path / "missing"))
+    with pytest.raises(launcher.TritonNotFound, match="TRITONSERVER_BIN"):
+        launcher.triton_command(grpc_port=1, metrics_port=2, work_dir=tmp_path / "w3")

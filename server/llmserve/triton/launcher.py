@@ -85,12 +85,19 @@ def triton_command(
     `metrics_port` is Triton's own (internal) metrics endpoint; our metrics
     server re-exports it. `http_port` -1 turns Triton's HTTP endpoint off.
     """
-    root = pytriton_root()
-    binary = root / "tritonserver" / "bin" / "tritonserver"
-    libs = root.parent / "nvidia_pytriton.libs"
+    # A Triton image brings its own server and backends (TRITONSERVER_BIN, TRITON_BACKEND_DIR);
+    # elsewhere both come from the nvidia-pytriton wheel.
+    own_bin, own_backends = os.environ.get("TRITONSERVER_BIN"), os.environ.get("TRITON_BACKEND_DIR")
+    if own_bin:
+        binary, libs = Path(own_bin), None
+    else:
+        root = pytriton_root()
+        binary, libs = root / "tritonserver" / "bin" / "tritonserver", root.parent / "nvidia_pytriton.libs"
     if not binary.exists():
-        raise TritonNotFound(f"tritonserver binary missing at {binary}")
-    backends = build_backend_dir(Path(work_dir) / "backends")
+        raise TritonNotFound(f"tritonserver binary missing at {binary}" + (" (TRITONSERVER_BIN)" if own_bin else ""))
+    backends = Path(own_backends) if own_backends else build_backend_dir(Path(work_dir) / "backends")
+    if not (backends / "python").is_dir():
+        raise TritonNotFound(f"no python backend in {backends}" + (" (TRITON_BACKEND_DIR)" if own_backends else ""))
     shm_prefix = f"llmserve_{grpc_port}_"
     argv = [
         str(binary),
@@ -120,7 +127,7 @@ def triton_command(
     env = dict(os.environ)
     env.update(extra_env or {})
     pylib = sysconfig.get_config_var("LIBDIR") or ""
-    env["LD_LIBRARY_PATH"] = ":".join(p for p in (pylib, str(libs), env.get("LD_LIBRARY_PATH", "")) if p)
+    env["LD_LIBRARY_PATH"] = ":".join(p for p in (pylib, str(libs or ""), env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
     # The stub's embedded interpreter must see the same package as we do.
     env["PYTHONPATH"] = ":".join(p for p in (str(REPO_ROOT / "server"), env.get("PYTHONPATH", "")) if p)
