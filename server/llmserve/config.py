@@ -87,6 +87,8 @@ class Config:
     # parallelism
     mp_num: int = _setting("MP_NUM", 1, _positive_int, doc="tensor-parallel degree")
     mp_nnode: int = _setting("MP_NNODE", 1, _positive_int, doc="nodes")
+    pod_ips: str = _setting("POD_IPS", "", _str, doc="comma-separated IPs of the nodes (multi-node)")
+    pod_0_ip: str = _setting("POD_0_IP", "", _str, doc="IP of the first (master) node")
     # limits and scheduling
     max_seq_len: int = _setting("MAX_SEQ_LEN", 8192, _positive_int, doc="reject longer inputs")
     max_dec_len: int = _setting("MAX_DEC_LEN", 1024, _positive_int, doc="reject larger max/min_dec_len")
@@ -154,6 +156,15 @@ class Config:
             errors.append(f"LLMSERVE_RUNNER={self.runner!r}: expected auto, paddle or torch")
         if self.device not in ("auto", "cpu", "cuda"):
             errors.append(f"LLMSERVE_DEVICE={self.device!r}: expected auto, cpu or cuda")
+        ips = [ip.strip() for ip in self.pod_ips.split(",") if ip.strip()]
+        if self.mp_nnode > 1:
+            # Multi-node serving needs every node's address; one engine process per node is not built yet.
+            if len(ips) != self.mp_nnode:
+                errors.append(f"POD_IPS={self.pod_ips!r}: MP_NNODE={self.mp_nnode} needs that many IPs")
+            elif self.pod_0_ip and self.pod_0_ip != ips[0]:
+                errors.append(f"POD_0_IP={self.pod_0_ip!r}: must be the first of POD_IPS ({ips[0]})")
+            else:
+                errors.append(f"MP_NNODE={self.mp_nnode}: multi-node serving is not supported yet (use 1)")
         if self.check_health_interval <= 0:
             errors.append(f"CHECK_HEALTH_INTERVAL={self.check_health_interval}: must be positive")
         if self.drain_timeout < 0:
