@@ -57,6 +57,7 @@ def test_every_bad_value_is_named_at_once():
         ({"MP_NNODE": "2", "POD_IPS": "10.0.0.1,10.0.0.2", "POD_0_IP": "10.0.0.2"}, "POD_0_IP"),
         ({"MP_NNODE": "2", "POD_IPS": "10.0.0.1,10.0.0.2"}, "MP_NNODE"),
         ({"PUSH_MODE_HTTP_WORKERS": "9"}, "PUSH_MODE_HTTP_WORKERS"),
+        ({"MP_NUM": "2"}, "MP_NUM"),
     ],
 )
 def test_multi_node_and_limits_are_checked(env, named):

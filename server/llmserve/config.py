@@ -156,6 +156,8 @@ class Config:
             errors.append(f"LLMSERVE_RUNNER={self.runner!r}: expected auto, paddle or torch")
         if self.device not in ("auto", "cpu", "cuda"):
             errors.append(f"LLMSERVE_DEVICE={self.device!r}: expected auto, cpu or cuda")
+        if self.mp_num > 1:
+            errors.append(f"MP_NUM={self.mp_num}: tensor parallelism is not supported yet (use 1)")
         ips = [ip.strip() for ip in self.pod_ips.split(",") if ip.strip()]
         if self.mp_nnode > 1:
             # Multi-node serving needs every node's address; one engine process per node is not built yet.
