@@ -262,6 +262,7 @@ def _cache_setup(T_kv_blocks=40, KVH=2, BS=16, D=32, dt=torch.float32):
 @needs_kernels
 @pytest.mark.parametrize("H,KVH,D", [(4, 2, 32), (8, 1, 64), (6, 2, 16)])
 def test_rope_cache_kernel(H, KVH, D):
+    from llmserve.models.rope import rope_inv_freq
     from llmserve.runners.torch.kernels.rotary import rope_and_cache, rope_and_cache_ref, rope_cos_sin
 
     dt = torch.bfloat16 if HAS_CUDA else torch.float32
@@ -270,7 +271,7 @@ def test_rope_cache_kernel(H, KVH, D):
     pos = torch.randint(0, 100, (T,), device=DEV, dtype=torch.int32)
     slots = torch.randperm(NB * BS, device=DEV)[:T].to(torch.int32)
     slots[3] = -1
-    cs = rope_cos_sin(D, 10000.0, 128, torch.device(DEV))
+    cs = rope_cos_sin(rope_inv_freq(D, 10000.0), 128, torch.device(DEV))
     outs = []
     for fn in (rope_and_cache, rope_and_cache_ref):
         q = qkv.clone()

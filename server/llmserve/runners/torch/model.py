@@ -11,6 +11,7 @@ gate_up projection, SwiGLU, down projection. Matrix products go to cuBLAS
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,6 +106,13 @@ class DecoderModel:
         tied = cfg.tie_word_embeddings or not r.has("lm_head.weight")
         self.lm_head = self.embed if tied else r.get("lm_head.weight")
         self.cos_sin = rope_cos_sin(cfg.inv_freq(), max_positions, device)
+        # Experimental (LLMSERVE_FP32_PROJ_OUT=1, CUDA bf16 only): o/down projections and logits
+        # written in fp32 by cuBLAS; measured for parity and speed in docs/gpu_notes.md.
+        self.fp32_out = (
+            os.environ.get("LLMSERVE_FP32_PROJ_OUT") == "1"
+            and device.type == "cuda"
+            and self.embed.dtype != torch.float32
+        )
 
     @property
     def weight_bytes(self) -> int:
@@ -138,10 +146,18 @@ class DecoderModel:
             rope_and_cache(qkv, positions, slot_mapping, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], H, KVH)
             q = qkv[:, : H * D].view(T, H, D)
             attn = paged_attention(q, kv_cache[i, 0], kv_cache[i, 1], meta, self.scale)
-            h = F.linear(attn.view(T, H * D), lw.o)
+            h = self._into_residual(attn.view(T, H * D), lw.o)
             x = rms_norm(h, lw.post_norm, eps, residual)
-            h = F.linear(swiglu(F.linear(x, lw.gate_up)), lw.down)
+            h = self._into_residual(swiglu(F.linear(x, lw.gate_up)), lw.down)
         return rms_norm(h, self.norm, eps, residual)
 
+    def _into_residual(self, a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """Projections added into the fp32 residual: with fp32_out, cuBLAS writes fp32 (no bf16 rounding)."""
+        if self.fp32_out:
+            return torch.mm(a, w.t(), torch.float32)
+        return F.linear(a, w)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.fp32_out:
+            return torch.mm(hidden, self.lm_head.t(), torch.float32)
         return F.linear(hidden, self.lm_head).float()

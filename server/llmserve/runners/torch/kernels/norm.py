@@ -3,7 +3,7 @@
 `rms_norm(x, w, eps, residual)`: with a residual, `residual += x` happens in
 place (in the residual's dtype: the model keeps the residual stream in fp32)
 and the norm is taken of the sum; one pass over the row instead of three.
-The output has x's dtype.
+The output has the weight's dtype (x may be a wider fp32 projection output).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ if triton is not None:
 
 
 def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:
-    dtype = x.dtype
+    dtype = w.dtype
     if residual is not None:
         residual.add_(x)
         x = residual
@@ -53,7 +53,7 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
     if not use_triton(x):
         return rms_norm_ref(x, w, eps, residual)
     n = x.shape[-1]
-    out = torch.empty_like(x)
+    out = torch.empty(x.shape, dtype=w.dtype, device=x.device)
     block = next_pow2(n)
     res = residual if residual is not None else x
     _rms_norm_kernel[(x.shape[0],)](
