@@ -50,6 +50,17 @@ def assert_ordered(summary: dict) -> None:
 
 
 # ---- workloads --------------------------------------------------------------------
+
+
+async def run_backend(backend, reqs, rate=math.inf, concurrency=4, seed=0):
+    """Start a backend, run one level of requests through it, close it."""
+    await backend.start()
+    try:
+        return await run_level(backend, reqs, rate, concurrency, seed, progress=False)
+    finally:
+        await backend.close()
+
+
 def test_random_workload_lengths_and_seed(vocab, fresh_seed):
     a = build_workload("random", vocab, 50, seed=fresh_seed, input_len=40, output_len=20, range_ratio=0.5)
     b = build_workload("random", vocab, 50, seed=fresh_seed, input_len=40, output_len=20, range_ratio=0.5)
@@ -229,12 +240,7 @@ def test_native_metrics_against_known_server(vocab, fresh_seed):
     reqs = build_workload("random", vocab, 24, seed=fresh_seed, input_len=12, output_len=5, range_ratio=0.5)
 
     async def go(port):
-        backend = make_backend("native", "127.0.0.1", port, vocab)
-        await backend.start()
-        try:
-            return await run_level(backend, reqs, 200.0, 6, fresh_seed, progress=False)
-        finally:
-            await backend.close()
+        return await run_backend(make_backend("native", "127.0.0.1", port, vocab), reqs, 200.0, 6, fresh_seed)
 
     results, duration = asyncio.run(_with_fake_server(vocab.tokenizer, go))
     assert len(results) == len(reqs)
@@ -257,12 +263,9 @@ def test_openai_completions_metrics_against_known_server(vocab, fresh_seed):
 
     async def go(port):
         backend = make_backend("openai-completions", "127.0.0.1", port, vocab)
-        await backend.start()
-        assert backend.model == "fake"
-        try:
-            return await run_level(backend, reqs, math.inf, 4, fresh_seed, progress=False)
-        finally:
-            await backend.close()
+        results = await run_backend(backend, reqs, seed=fresh_seed)
+        assert backend.model == "fake"  # learnt from the server's /v1/models at start
+        return results
 
     results, duration = asyncio.run(_with_fake_server(vocab.tokenizer, go))
     expected_fail = sum(1 for q in reqs if q.input_len % 5 == 1)  # the fake server counts the text's tokens
@@ -282,12 +285,7 @@ def test_connection_refused_is_counted(vocab):
     reqs = build_workload("random", vocab, 3, input_len=4, output_len=2)
 
     async def go():
-        backend = make_backend("native", "127.0.0.1", port, vocab, timeout=5)
-        await backend.start()
-        try:
-            return await run_level(backend, reqs, math.inf, None, 0, progress=False)
-        finally:
-            await backend.close()
+        return await run_backend(make_backend("native", "127.0.0.1", port, vocab, timeout=5), reqs, concurrency=None)
 
     results, duration = asyncio.run(go())
     s = summarize(results, duration)
@@ -315,12 +313,7 @@ def test_engine_backend(engine, fresh_seed):
     reqs.insert(3, too_long)
 
     async def go():
-        backend = EngineBackend(engine, vocab, temperature=0.0, timeout=60)
-        await backend.start()
-        try:
-            return await run_level(backend, reqs, math.inf, 4, fresh_seed, progress=False)
-        finally:
-            await backend.close()
+        return await run_backend(EngineBackend(engine, vocab, temperature=0.0, timeout=60), reqs, seed=fresh_seed)
 
     results, duration = asyncio.run(go())
     s = summarize(results, duration, backend="engine")
@@ -395,12 +388,7 @@ def test_real_stack(stack, vocab, backend, fresh_seed):
     port = stack["grpc"] if backend == "triton-grpc" else stack["http"]
 
     async def go():
-        b = make_backend(backend, "127.0.0.1", port, vocab, timeout=120)
-        await b.start()
-        try:
-            return await run_level(b, reqs, math.inf, 4, fresh_seed, progress=False)
-        finally:
-            await b.close()
+        return await run_backend(make_backend(backend, "127.0.0.1", port, vocab, timeout=120), reqs, seed=fresh_seed)
 
     results, duration = asyncio.run(go())
     s = summarize(results, duration, backend=backend)
