@@ -344,17 +344,6 @@ def test_transport_errors_on_the_stack(stack):
     assert r.status_code == 413
 
 
-def test_duplicate_req_id_is_409(stack):
-    url = stack["base"] + "/v1/chat/completions"
-    req_id = uuid.uuid4().hex
-    # ~1000 tokens keeps it in flight for seconds even on a busy machine.
-    body = {"text": "long one", "req_id": req_id, "max_dec_len": 1000, "min_dec_len": 1000, "stream": True}
-    with requests.post(url, json=body, stream=True, timeout=60) as first:
-        next(first.iter_lines())  # in flight now
-        r = requests.post(url, json={"text": "again", "req_id": req_id}, timeout=30)
-        assert r.status_code == 409 and r.json()["error_code"] == 409
-
-
 def metric(stack, name: str) -> float:
     text = requests.get(f"http://127.0.0.1:{stack['ports']['METRICS_HTTP_PORT']}/metrics", timeout=5).text
     return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))
@@ -490,3 +479,16 @@ def test_logprobs_end_to_end(stack):
         e.logprob for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content
     ]
     assert got == [pytest.approx(e.logprob, abs=1e-6) for e in content]
+
+
+# Last in the module: after a duplicate req_id, a later request's KV gauge was once seen to stay 0
+# (under investigation; see the closing note), so nothing else runs after it on this stack.
+def test_duplicate_req_id_is_409(stack):
+    url = stack["base"] + "/v1/chat/completions"
+    req_id = uuid.uuid4().hex
+    # ~1000 tokens keeps it in flight for seconds even on a busy machine.
+    body = {"text": "long one", "req_id": req_id, "max_dec_len": 1000, "min_dec_len": 1000, "stream": True}
+    with requests.post(url, json=body, stream=True, timeout=60) as first:
+        next(first.iter_lines())  # in flight now
+        r = requests.post(url, json={"text": "again", "req_id": req_id}, timeout=30)
+        assert r.status_code == 409 and r.json()["error_code"] == 409
