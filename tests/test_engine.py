@@ -160,3 +160,65 @@ def test_bad_requests_are_rejected(model_dir):
     engine.add_request("a", [1, 2], SamplingParams(max_tokens=2))
     with pytest.raises(DuplicateRequestError):
         engine.add_request("a", [1, 2], SamplingParams())
+
+
+def test_aborted_req_id_stays_in_flight_until_its_final_output(model_dir):
+    engine = make_engine(model_dir)
+    engine.add_request("a", [1, 2, 3], dataclasses.replace(GREEDY, max_tokens=50))
+    engine.step()
+    assert engine.abort("a")
+    with pytest.raises(DuplicateRequestError):  # its abort output is still to come: the id is taken
+        engine.add_request("a", [4, 5], dataclasses.replace(GREEDY))
+    assert [(o.req_id, o.finish_reason) for o in engine.step()] == [("a", "abort")]
+    outs, reasons = run_all(engine, [[4, 5]], dataclasses.replace(GREEDY, max_tokens=3))  # free again
+    assert len(outs[0]) == 3 and reasons[0] == "length" and not engine.requests
+
+
+def test_engine_server_cancel_then_same_req_id(model_dir):
+    """The engine process gets a client's abort and, in the same drain, a new request with that req_id:
+    the new one is refused (409); it must not get the aborted one's final output and be left running."""
+    import zmq
+
+    from llmserve.serving.engine_server import EngineServer
+    from llmserve.serving.ipc import dumps, endpoint, loads
+    from llmserve.serving.testing import free_ports
+
+    engine = make_engine(model_dir)
+    server = EngineServer(engine.config, engine)
+    port = free_ports(1)[0]
+    server.sock.bind(endpoint(port))
+    client = zmq.Context.instance().socket(zmq.DEALER)
+    client.setsockopt(zmq.LINGER, 0)
+    client.connect(endpoint(port))
+    body = {"input_ids": [1, 2, 3], "req_id": "x", "max_dec_len": 100, "min_dec_len": 100}
+
+    def drain_until(done) -> None:
+        for _ in range(100):
+            if done():
+                return
+            server.sock.poll(100)
+            server._drain()  # no engine step in between
+        raise AssertionError("the messages did not arrive")
+
+    try:
+        client.send(dumps({"op": "add", "body": body}))
+        drain_until(lambda: "x" in server.live)
+        first = server.live["x"]
+        server._on_outputs(engine.step())
+        server._flush()
+        client.send(dumps({"op": "abort", "req_id": "x"}))
+        client.send(dumps({"op": "add", "body": body | {"max_dec_len": 5, "min_dec_len": 5}}))
+        # Both taken (the add refused, or admitted as a new request), with no step in between.
+        drain_until(lambda: server.outbox or server.live.get("x") not in (None, first))
+        for _ in range(10):  # a few steps; what is answered goes out with each
+            server._on_outputs(engine.step())
+            server._flush()
+        items = []
+        while client.poll(200):
+            items += loads(client.recv())["items"]
+        assert [(i["req_id"], i["error_code"]) for i in items if i["is_end"]] == [("x", 409)]
+        assert not server.live and not engine.requests and not engine.has_unfinished()
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+    finally:
+        client.close(0)
+        server.sock.close(0)

@@ -86,7 +86,9 @@ class LLMEngine:
     ) -> Request:
         """Queue a request. Raises ValueError (DuplicateRequestError for a req_id in flight)."""
         params = params or SamplingParams()
-        if req_id in self.requests:
+        # An aborted request is in flight until step() hands out its final output: were its req_id
+        # reused before that, the caller would take that final output for the new request's.
+        if req_id in self.requests or any(o.req_id == req_id for o in self._pending):
             raise DuplicateRequestError(f"req_id {req_id!r} is already in flight")
         n = len(prompt_token_ids)
         if n == 0:
