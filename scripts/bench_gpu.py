@@ -123,13 +123,24 @@ def bench_ours(model_dir: str, weight_bytes_hint: int, bw: float, seed: int, out
     # single stream: prompt 128, 256 new tokens
     timer.steps.clear()
     trace: list = []
+    s0 = engine.stats()
     got, first, wall = run_engine(
         engine, [("s", rng.integers(0, V, 128).tolist(), SamplingParams(max_tokens=256, **greedy))], trace
     )
+    s1 = engine.stats()
     dec = trace[1:]  # steps after the prefill step
     R["single_stream_ms_per_step"] = (dec[-1][1] - dec[0][0]) / len(dec) * 1e3
     R["single_stream_gpu_ms_per_step"] = statistics.median(s[2] for s in timer.steps[1:]) * 1e3
     R["single_stream_vs_floor"] = R["single_stream_ms_per_step"] / R["decode_floor_ms"]
+    # where the host's share of a step goes (ms per step, prefill step included)
+    n = s1.steps - s0.steps
+    per = lambda k: (getattr(s1, k) - getattr(s0, k)) / n * 1e3  # noqa: E731
+    R["single_stream_host_ms"] = dict(
+        schedule=per("schedule_time"),
+        execute_minus_model=per("execute_time") - per("model_time"),
+        output=per("output_time"),
+        outside_engine_step=R["single_stream_ms_per_step"] - per("step_time"),
+    )
     save(out)
 
     # TTFT: fresh 1024-token prompts (no prefix cache), median of 5

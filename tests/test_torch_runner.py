@@ -260,14 +260,15 @@ def _cache_setup(T_kv_blocks=40, KVH=2, BS=16, D=32, dt=torch.float32):
 
 
 @needs_kernels
-@pytest.mark.parametrize("H,KVH,D", [(4, 2, 32), (8, 1, 64), (6, 2, 16)])
-def test_rope_cache_kernel(H, KVH, D):
+@pytest.mark.parametrize("H,KVH,D,wide", [(4, 2, 32, False), (8, 1, 64, False), (6, 2, 16, False), (8, 2, 64, True)])
+def test_rope_cache_kernel(H, KVH, D, wide):
+    """wide: an fp32 qkv (the model's projection output) over a bf16 cache, as on CUDA."""
     from llmserve.models.rope import rope_inv_freq
     from llmserve.runners.torch.kernels.rotary import rope_and_cache, rope_and_cache_ref, rope_cos_sin
 
     dt = torch.bfloat16 if HAS_CUDA else torch.float32
     T, BS, NB = 11, 8, 6
-    qkv = torch.randn(T, (H + 2 * KVH) * D, device=DEV, dtype=dt)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, device=DEV, dtype=torch.float32 if wide else dt)
     pos = torch.randint(0, 100, (T,), device=DEV, dtype=torch.int32)
     slots = torch.randperm(NB * BS, device=DEV)[:T].to(torch.int32)
     slots[3] = -1
@@ -280,12 +281,41 @@ def test_rope_cache_kernel(H, KVH, D):
         fn(q, pos, slots, cs, k, v, H, KVH)
         outs.append((q, k, v))
     for a, b in zip(*outs):
-        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)
+        tol = 1e-5 if a.dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+
+
+def test_rope_saturates_at_fp16_range_over_fp16_cache():
+    """Over an fp16 cache (a bf16 model's) q, k and v beyond fp16's range are saturated when written,
+    never inf; over a bf16 or fp32 cache they are kept as they are."""
+    from llmserve.models.rope import rope_inv_freq
+    from llmserve.runners.torch.kernels.rotary import rope_and_cache, rope_cos_sin
+
+    H, KVH, D, T = 2, 1, 16, 3
+    cs = rope_cos_sin(rope_inv_freq(D, 10000.0), 16, torch.device(DEV))
+    for dt in (torch.float16, torch.bfloat16, torch.float32):
+        qkv = torch.randn(T, (H + 2 * KVH) * D, device=DEV)
+        qkv[:, 0] = 1e6  # q, head 0, first half: position 0 leaves it unrotated
+        qkv[:, H * D + D // 2] = -3e5  # k, second half
+        qkv[:, (H + KVH) * D] = 7e4  # v
+        k = torch.zeros(2, KVH, 4, D, device=DEV, dtype=dt)
+        v = torch.zeros_like(k)
+        pos = torch.zeros(T, device=DEV, dtype=torch.int32)
+        rope_and_cache(qkv, pos, torch.arange(T, device=DEV, dtype=torch.int32), cs, k, v, H, KVH)
+        got = (qkv[:, 0], k[0, 0, :T, D // 2].float(), v[0, 0, :T, 0].float())  # q stays in qkv (fp32)
+        want = (65504.0, -65504.0, 65504.0) if dt == torch.float16 else (1e6, -3e5, 7e4)
+        for g, w, store in zip(got, want, (torch.float32, dt, dt)):
+            assert g.eq(torch.tensor(w, dtype=store).float()).all(), (dt, g, w)
+        assert k.isfinite().all() and v.isfinite().all()
 
 
 @needs_kernels
+@pytest.mark.parametrize("wide_q", [False, True])
 @pytest.mark.parametrize("decode_only,splits", [(False, 1), (True, 1), (True, 3)])
-def test_paged_attention_kernel(decode_only, splits):
+def test_paged_attention_kernel(decode_only, splits, wide_q):
+    """wide_q: the model's layout on CUDA, fp32 q over an fp16 cache, output bf16. Against the exact
+    attention of unrounded fp32 K/V, it must beat a bf16 cache with bf16 q (what a plain bf16 model
+    does) and be within a little of the output's own bf16 rounding."""
     from llmserve.runners.torch.inputs import work_items
     from llmserve.runners.torch.kernels.attention import AttnMeta, paged_attention, paged_attention_ref, tile_tokens
 
@@ -313,12 +343,24 @@ def test_paged_attention_kernel(decode_only, splits):
         meta.dec_item_seq, meta.dec_item_qstart = i32(np.flatnonzero(single)), i32(np.zeros(int(single.sum())))
         meta.dec_block_t = tile_tokens(H, KVH, True)
     T = int(cu[-1])
-    qkv = torch.randn(T, (H + 2 * KVH) * D, device=DEV, dtype=dt)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, device=DEV, dtype=torch.float32 if wide_q else dt)
     q = qkv[:, : H * D].view(T, H, D)  # strided like the model's view
-    out = paged_attention(q, k, v, meta, D**-0.5)
-    ref = paged_attention_ref(q, k, v, meta, D**-0.5)
-    assert torch.isfinite(out).all()
+    if wide_q and HAS_CUDA:
+        k32, v32 = k.float(), v.float()  # fresh values, not bf16-representable ones
+        k32 += torch.randn_like(k32) * 1e-2
+        v32 += torch.randn_like(v32) * 1e-2
+        k, v = k32.half(), v32.half()
+    out = paged_attention(q, k, v, meta, D**-0.5, dt)
+    assert out.dtype == dt and torch.isfinite(out).all()
+    ref = paged_attention_ref(q, k, v, meta, D**-0.5, dt)
     torch.testing.assert_close(out.float(), ref.float(), rtol=2e-2, atol=2e-2)
+    if wide_q and HAS_CUDA:
+        exact = paged_attention_ref(q, k32, v32, meta, D**-0.5, torch.float32)
+        err, rounding = _rel(out, exact), _rel(exact.to(dt), exact)
+        plain = _rel(paged_attention(q.to(dt), k32.to(dt), v32.to(dt), meta, D**-0.5), exact)
+        print(f"attention rel. error {err:.2e}; output rounding alone {rounding:.2e}; all-bf16 {plain:.2e}")
+        assert err <= 1.2 * rounding, (err, rounding)
+        assert err < plain, (err, plain)  # seen: 1.5-1.8e-3 against 2.2-3.1e-3 (H200)
 
 
 @needs_kernels
@@ -463,12 +505,12 @@ def test_8b_shaped_logits_and_greedy_match_transformers(tmp_path):
             assert gap <= 2 * noise, (r.req_id, j, gap, noise)
         report.append((r.req_id, r.num_prompt_tokens, mism[:1]))
     print("parity:", report, worst)
-    # Measured on an H200 (docs/gpu.md): HF's own bf16 forward is ~1.8e-2 off its fp32 one on this
-    # random 32-layer model (HF keeps the residual in bf16), so 1e-2 against HF bf16 is out of reach
-    # for any bf16 implementation with other rounding; ours was 1.2e-2 off the fp32 function. We
-    # require ours to be no less exact than HF in bf16, and within 1e-2 of HF bf16 beyond HF's error.
-    assert worst["ours_vs_fp32"] <= max(1e-2, 1.1 * worst["hf_bf16_vs_fp32"]), worst
-    assert worst["ours_vs_hf_bf16"] < 1e-2 + worst["hf_bf16_vs_fp32"], worst
+    # The target is the exact function of these weights (HF in fp32): under 1e-2 for every row.
+    # HF's own bf16 forward is ~1.8e-2 off it on this random 32-layer model (it keeps the residual
+    # in bf16), so ours vs HF bf16 is mostly HF's error: reported, and bounded by the sum of both.
+    assert worst["ours_vs_fp32"] < 1e-2, worst
+    assert worst["ours_vs_fp32"] < worst["hf_bf16_vs_fp32"], worst
+    assert worst["ours_vs_hf_bf16"] <= worst["ours_vs_fp32"] + worst["hf_bf16_vs_fp32"] + 1e-3, worst
 
 
 def runner_dtype() -> torch.dtype:

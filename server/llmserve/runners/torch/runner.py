@@ -45,6 +45,10 @@ class TorchRunner(ModelRunner):
         self.device = pick_device(config)
         cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if cuda else torch.float32
+        # The KV cache of a bf16 model is fp16: the same bytes with 3 more bits of mantissa, so
+        # attention's tensor-core products run in fp16 with no conversion in the loop (see
+        # kernels/attention.py; K/V saturate at fp16's range when written).
+        self.kv_dtype = torch.float16 if self.dtype == torch.bfloat16 else self.dtype
         self.block_size = config.block_size
         self.max_model_len = min(config.max_seq_len, mc.max_position_embeddings)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
@@ -60,7 +64,7 @@ class TorchRunner(ModelRunner):
         self.num_kv_blocks = self._size_kv_cache()
         L, KVH, D = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
         self.kv_cache = torch.zeros(
-            L, 2, self.num_kv_blocks, KVH, self.block_size, D, dtype=self.dtype, device=self.device
+            L, 2, self.num_kv_blocks, KVH, self.block_size, D, dtype=self.kv_dtype, device=self.device
         )
         self.graphs: DecodeGraphs | None = None
         if cuda and os.environ.get("LLMSERVE_CUDA_GRAPHS", "1") != "0":
@@ -72,7 +76,7 @@ class TorchRunner(ModelRunner):
     # ---- KV cache sizing ------------------------------------------------------
     def _block_bytes(self) -> int:
         mc = self.model_config
-        item = torch.tensor([], dtype=self.dtype).element_size()
+        item = torch.tensor([], dtype=self.kv_dtype).element_size()
         return 2 * mc.num_hidden_layers * mc.num_key_value_heads * self.block_size * mc.head_dim * item
 
     def _size_kv_cache(self) -> int:
@@ -115,7 +119,7 @@ class TorchRunner(ModelRunner):
             mc.num_key_value_heads,
             self.block_size,
             mc.head_dim,
-            dtype=self.dtype,
+            dtype=self.kv_dtype,
             device=self.device,
         )
         dev = self.device

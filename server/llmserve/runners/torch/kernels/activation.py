@@ -26,16 +26,17 @@ if triton is not None:
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
-def swiglu_ref(x: torch.Tensor) -> torch.Tensor:
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
+def swiglu_ref(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    gate, up = x.float().chunk(2, dim=-1)
+    return (F.silu(gate) * up).to(dtype or x.dtype)
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
+def swiglu(x: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [T, 2n] (gate | up; bf16 or a wider fp32 projection output) -> [T, n] in `dtype` (default x's)."""
     if not use_triton(x):
-        return swiglu_ref(x)
+        return swiglu_ref(x, dtype)
     n = x.shape[-1] // 2
-    out = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    out = torch.empty(x.shape[0], n, dtype=dtype or x.dtype, device=x.device)
     block = 1024
     _swiglu_kernel[(x.shape[0], triton.cdiv(n, block))](x, out, x.stride(0), out.stride(0), n, BLOCK=block, num_warps=4)
     return out

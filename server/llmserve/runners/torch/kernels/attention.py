@@ -11,6 +11,15 @@ KV head, so each K/V tile is read once for the whole group (GQA). Decode-only
 batches with few sequences split each context over `num_splits` programs
 (split-KV) and merge the partial results by their log-sum-exp, so a batch of
 one still spreads over the GPU.
+
+Precision: q arrives in fp32 (the model keeps it unrounded) and is rounded
+to the cache's dtype for the tensor-core products, as are the softmax weights
+p. The runner keeps a bf16 model's cache in fp16 (11 significant bits against
+bf16's 8, the same bytes), so q, k, v and p each lose less than a bf16 value
+would, at no cost in the loop (`scripts/bench_precision.py`, docs/gpu.md).
+fp16's range suffices: kernels/rotary.py saturates q, k and v at +-65504 when
+it writes them (values never seen in practice, but never inf), and p is in
+[0, 1]. The output has the model's dtype, for the output projection.
 """
 
 from __future__ import annotations
@@ -120,6 +129,7 @@ if triton is not None:
             mask=row_ok[:, None] & d_ok[None, :],
             other=0.0,
         )
+        q = q.to(k_ptr.dtype.element_ty)
         q_pos = ctx + tok
 
         kv_end = tl.minimum(kv_len, ctx + qt0 + BLOCK_T)  # causal: no key past the tile's last query
@@ -150,7 +160,7 @@ if triton is not None:
             alpha = tl.exp2(m_i - m_safe)
             l_i = l_i * alpha + tl.sum(p, axis=1)
             v = tl.load(v_ptr + off[:, None] + d[None, :], mask=kv_mask, other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
             m_i = m_new
 
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -207,12 +217,12 @@ if triton is not None:
         tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-def paged_attention_ref(q, k_cache, v_cache, meta: AttnMeta, scale: float) -> torch.Tensor:
-    """q [T, H, D] (any strides) -> [T, H, D]; plain softmax attention per chunk."""
+def paged_attention_ref(q, k_cache, v_cache, meta: AttnMeta, scale: float, out_dtype=None) -> torch.Tensor:
+    """q [T, H, D] (any strides) -> [T, H, D]; plain softmax attention per chunk, in fp32."""
     T, H, D = q.shape
     kvh = k_cache.shape[1]
     bs = k_cache.shape[2]
-    out = torch.zeros(T, H, D, dtype=q.dtype, device=q.device)
+    out = torch.zeros(T, H, D, dtype=out_dtype or q.dtype, device=q.device)
     cu = meta.cu_q.tolist()
     lens = meta.seq_lens.tolist()
     for b in range(len(lens)):
@@ -228,19 +238,25 @@ def paged_attention_ref(q, k_cache, v_cache, meta: AttnMeta, scale: float) -> to
         s = torch.einsum("thd,khd->htk", q[q0:q1].float(), k) * scale
         q_pos = torch.arange(kv_len - (q1 - q0), kv_len, device=q.device)
         s = s.masked_fill(pos[None, None, :] > q_pos[None, :, None], float("-inf"))
-        out[q0:q1] = torch.einsum("htk,khd->thd", s.softmax(-1), v).to(q.dtype)
+        out[q0:q1] = torch.einsum("htk,khd->thd", s.softmax(-1), v).to(out.dtype)
     return out
 
 
 def paged_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttnMeta, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttnMeta,
+    scale: float,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
+    """q [T, H, D] (fp32 or the cache's dtype) -> [T, H, D] in `out_dtype` (default q's)."""
     if not use_triton(q):
-        return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        return paged_attention_ref(q, k_cache, v_cache, meta, scale, out_dtype)
     T, H, D = q.shape
     kvh, bs = k_cache.shape[1], k_cache.shape[2]
     assert q.stride(2) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
-    out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
+    out = torch.empty(T, H, D, dtype=out_dtype or q.dtype, device=q.device)
     group = H // kvh
     gp = next_pow2(group)
     d_pad = max(16, next_pow2(D))
@@ -267,7 +283,8 @@ def paged_attention(
             po.stride(0) if split else 0, po.stride(1) if split else 0,
             pl.stride(0) if split else 0, pl.stride(1) if split else 0,
             GROUP=group, GROUP_PAD=gp, BLOCK_T=block_t, BLOCK_N=64, HEAD_DIM=D, D_PAD=d_pad,
-            BLOCK_SIZE=bs, SPLIT=split, num_warps=4 if rows <= 16 else 8, num_stages=2,
+            BLOCK_SIZE=bs, SPLIT=split,
+            num_warps=4 if rows <= 16 else 8, num_stages=2,
         )  # fmt: skip
     if split:
         _merge_kernel[(T, H)](

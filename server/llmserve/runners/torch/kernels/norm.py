@@ -35,7 +35,7 @@ if triton is not None:
             x = s.to(tl.float32)
         rstd = tl.rsqrt(tl.sum(x * x, axis=0) / n + eps)
         w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        y = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32) * w
+        y = x * rstd * w  # one rounding, at the store (HF rounds x * rstd first, then the product)
         tl.store(out_ptr + row * stride_o + cols, y.to(out_ptr.dtype.element_ty), mask=m)
 
 
@@ -46,7 +46,7 @@ def rms_norm_ref(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.T
         x = residual
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return w * y.to(dtype)
+    return (w.float() * y).to(dtype)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor | None = None) -> torch.Tensor:

@@ -5,6 +5,9 @@ place; rotated k and v go to `slot_mapping[t]` of the layer's caches
 `[num_blocks, KVH, block_size, D]` (slot = block * block_size + offset;
 negative slots are padding and write nothing). Rotation follows HF Llama's
 rotate-half convention: out[i] = x[i]*cos - x[i+D/2]*sin, out[i+D/2] = x[i+D/2]*cos + x[i]*sin.
+Over an fp16 cache (a bf16 model's, see runner.py) q, k and v saturate at
+fp16's +-65504, far beyond any real activation, so that the attention's fp16
+products never meet an inf.
 """
 
 from __future__ import annotations
@@ -28,7 +31,18 @@ def rope_cos_sin(inv_freq: np.ndarray, max_pos: int, device: torch.device) -> to
     return torch.stack([ang.cos(), ang.sin()], dim=-1).float().to(device)
 
 
+def saturation(cache_dtype: torch.dtype) -> float:
+    """Bound on q, k and v: fp16's largest value over an fp16 cache (see the docstring), else none."""
+    return float(torch.finfo(torch.float16).max) if cache_dtype == torch.float16 else 0.0
+
+
 if triton is not None:
+
+    @triton.jit
+    def _sat(x, LIMIT: tl.constexpr):
+        if LIMIT > 0:
+            x = tl.clamp(x, -LIMIT, LIMIT)
+        return x
 
     @triton.jit
     def _rope_cache_kernel(
@@ -47,6 +61,7 @@ if triton is not None:
         H_PAD: tl.constexpr,
         KVH_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
+        LIMIT: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -62,8 +77,8 @@ if triton is not None:
         p1 = row + h * D + i[None, :]
         x1 = tl.load(p1, mask=hm, other=0.0).to(tl.float32)
         x2 = tl.load(p1 + HALF, mask=hm, other=0.0).to(tl.float32)
-        tl.store(p1, (x1 * cos - x2 * sin).to(qkv_ptr.dtype.element_ty), mask=hm)
-        tl.store(p1 + HALF, (x2 * cos + x1 * sin).to(qkv_ptr.dtype.element_ty), mask=hm)
+        tl.store(p1, _sat(x1 * cos - x2 * sin, LIMIT).to(qkv_ptr.dtype.element_ty), mask=hm)
+        tl.store(p1 + HALF, _sat(x2 * cos + x1 * sin, LIMIT).to(qkv_ptr.dtype.element_ty), mask=hm)
         if slot >= 0:
             kh = tl.arange(0, KVH_PAD)[:, None]
             km = kh < num_kv_heads
@@ -74,11 +89,13 @@ if triton is not None:
             k1 = tl.load(pk, mask=km, other=0.0).to(tl.float32)
             k2 = tl.load(pk + HALF, mask=km, other=0.0).to(tl.float32)
             ty = k_cache_ptr.dtype.element_ty
-            tl.store(k_cache_ptr + dst, (k1 * cos - k2 * sin).to(ty), mask=km)
-            tl.store(k_cache_ptr + dst + HALF, (k2 * cos + k1 * sin).to(ty), mask=km)
+            tl.store(k_cache_ptr + dst, _sat(k1 * cos - k2 * sin, LIMIT).to(ty), mask=km)
+            tl.store(k_cache_ptr + dst + HALF, _sat(k2 * cos + k1 * sin, LIMIT).to(ty), mask=km)
             pv = pk + num_kv_heads * D
-            tl.store(v_cache_ptr + dst, tl.load(pv, mask=km, other=0.0).to(ty), mask=km)
-            tl.store(v_cache_ptr + dst + HALF, tl.load(pv + HALF, mask=km, other=0.0).to(ty), mask=km)
+            v1 = tl.load(pv, mask=km, other=0.0).to(tl.float32)
+            v2 = tl.load(pv + HALF, mask=km, other=0.0).to(tl.float32)
+            tl.store(v_cache_ptr + dst, _sat(v1, LIMIT).to(ty), mask=km)
+            tl.store(v_cache_ptr + dst + HALF, _sat(v2, LIMIT).to(ty), mask=km)
 
 
 def _rotate(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
@@ -97,12 +114,14 @@ def rope_and_cache_ref(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, 
     k = qkv[:, num_heads * D : (num_heads + num_kv_heads) * D].view(T, num_kv_heads, D)
     v = qkv[:, (num_heads + num_kv_heads) * D :].view(T, num_kv_heads, D)
     cs = cos_sin[positions.long()]
-    q.copy_(_rotate(q, cs).to(q.dtype))
+    lim = saturation(k_cache.dtype)
+    sat = (lambda x: x.clamp(-lim, lim)) if lim else (lambda x: x)  # noqa: E731
+    q.copy_(sat(_rotate(q, cs)).to(q.dtype))
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blk, off = slots // bs, slots % bs
-    k_cache[blk, :, off] = _rotate(k[keep], cs[keep]).to(k_cache.dtype)
-    v_cache[blk, :, off] = v[keep].to(v_cache.dtype)
+    k_cache[blk, :, off] = sat(_rotate(k[keep], cs[keep])).to(k_cache.dtype)
+    v_cache[blk, :, off] = sat(v[keep].float()).to(v_cache.dtype)
 
 
 def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, num_heads: int, num_kv_heads: int) -> None:
@@ -127,5 +146,6 @@ def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, num_
         H_PAD=next_pow2(num_heads),
         KVH_PAD=next_pow2(num_kv_heads),
         BLOCK_SIZE=k_cache.shape[2],
+        LIMIT=saturation(k_cache.dtype),
         num_warps=4,
     )
