@@ -44,7 +44,8 @@ def stack(tmp_path_factory):
     log_dir = tmp_path_factory.mktemp("stack_log")
     ports = dict(zip(PORT_VARS, map(str, free_ports(len(PORT_VARS)))))
     env = dict(os.environ, **ports, LOG_DIR=str(log_dir), LLMSERVE_HOST="127.0.0.1", PUSH_MODE_HTTP_WORKERS="2")
-    env |= {"MAX_SEQ_LEN": "1024", "MAX_DEC_LEN": "1024", "BLOCK_BS": "8", "BATCH_SIZE": "64", "API_KEY": ""}
+    # MAX_DEC_LEN 4096: room for requests that outlast any disconnect (test_disconnect_frees_kv_blocks).
+    env |= {"MAX_SEQ_LEN": "4096", "MAX_DEC_LEN": "4096", "BLOCK_BS": "8", "BATCH_SIZE": "64", "API_KEY": ""}
     env.pop("MODEL_DIR", None)
     env["LLMSERVE_START_TIMEOUT"] = "300"  # the first run may build the demo model
     started = subprocess.run([str(ROOT / "start_server.sh")], env=env, capture_output=True, text=True, timeout=400)
@@ -321,7 +322,7 @@ def test_64_concurrent_streams(stack):
         ("/v1/chat/completions", {"text": "hi", "max_dec_len": -1}, 400, "max_dec_len"),
         ("/v1/chat/completions", {"text": ""}, 400, "text"),
         ("/v1/chat/completions", {"text": "hi", "max_dec_len": 5000}, 400, "max_dec_len"),  # > MAX_DEC_LEN
-        ("/v1/chat/completions", {"input_ids": [5] * 1100}, 413, "1100"),  # > MAX_SEQ_LEN
+        ("/v1/chat/completions", {"input_ids": [5] * 4100}, 413, "4100"),  # > MAX_SEQ_LEN
         ("/v1/completions", {"model": "m", "prompt": "x", "top_p": 0}, 400, "top_p"),
         ("/v1/completions", {"model": "m", "prompt": [], "max_tokens": 3}, 400, "prompt"),
         ("/v1/chat/completions", {"model": "m", "messages": "hi"}, 400, "messages"),
@@ -382,12 +383,23 @@ def test_duplicate_req_id_is_409(stack):
     assert r.status_code == 200 and r.json()["req_id"] == req_id and len(r.json()["token_ids"]) == 8
 
 
+def counter(stack, name: str) -> float:
+    """A counter's total over all its labels (0 before its first sample)."""
+    text = requests.get(f"http://127.0.0.1:{stack['ports']['METRICS_HTTP_PORT']}/metrics", timeout=5).text
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
 @pytest.mark.parametrize("stream", [True, False])
 def test_disconnect_frees_kv_blocks(stack, stream):
     url = stack["base"] + "/v1/chat/completions"
-    body = {"text": "a long answer please", "max_dec_len": 1000, "min_dec_len": 1000, "stream": stream}
+    # 4000 tokens take seconds even on a fast machine: far longer than a disconnect takes to abort.
+    n_tokens = 4000
+    body = {"text": "a long answer please", "max_dec_len": n_tokens, "min_dec_len": n_tokens, "stream": stream}
     assert wait_metric(stack, "llmserve_kv_blocks_used", lambda v: v == 0) == 0
-    generated = metric(stack, "llmserve_generation_tokens_total")
+    assert wait_metric(stack, "llmserve_requests_running", lambda v: v == 0) == 0
+    time.sleep(0.6)  # earlier requests' stats reach the supervisor within one heartbeat
+    names = ("llmserve_request_cancelled_total", "llmserve_request_success_total", "llmserve_generation_tokens_total")
+    before = {k: counter(stack, k) for k in names}
     if stream:
         r = requests.post(url, json=body, stream=True, timeout=60)
         lines = r.iter_lines()
@@ -402,8 +414,12 @@ def test_disconnect_frees_kv_blocks(stack, stream):
     assert wait_metric(stack, "llmserve_kv_blocks_used", lambda v: v == 0) == 0
     assert wait_metric(stack, "llmserve_requests_running", lambda v: v == 0) == 0
     assert time.monotonic() - t0 < 5
-    time.sleep(1.0)  # one more stats heartbeat
-    assert metric(stack, "llmserve_generation_tokens_total") - generated < 900  # aborted, not run to the end
+    time.sleep(0.6)  # one more stats heartbeat
+    delta = {k: counter(stack, k) - before[k] for k in names}
+    # Aborted by the disconnect, not run to the end.
+    assert delta["llmserve_request_cancelled_total"] == 1, delta
+    assert delta["llmserve_request_success_total"] == 0, delta
+    assert delta["llmserve_generation_tokens_total"] < n_tokens, delta
 
 
 def test_api_key_on_real_triton(stack, tmp_path):

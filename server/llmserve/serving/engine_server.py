@@ -59,6 +59,7 @@ class EngineServer:
         self.d_prompt = self.d_gen = 0
         self.finished: list[list] = []  # [finish_reason, ttft, tpot, e2e]
         self.failed: list[int] = []  # error codes
+        self.cancelled = 0  # aborted by their client (or by an adapter that gave up on them)
         self.stopping = False
         self.draining = False  # SIGUSR1 (the supervisor, on SIGTERM): finish what runs, refuse new work
         self.ctx = zmq.Context.instance()
@@ -103,6 +104,7 @@ class EngineServer:
             elif op == "abort":
                 if self.live.pop(msg["req_id"], None) is not None:
                     self.engine.abort(msg["req_id"], "cancelled by the client")
+                    self.cancelled += 1
             elif op == "hello":
                 (self.monitors if msg.get("role") == "monitor" else self.adapters).add(client)
                 log.info("%s connected: %s", msg.get("role"), client.decode(errors="replace"))
@@ -239,10 +241,11 @@ class EngineServer:
             "generation_tokens": self.d_gen,
             "finished": self.finished,
             "failed": self.failed,
+            "cancelled": self.cancelled,
         }
         for m in self.monitors:
             self._to(m, msg)
-        self.d_prompt = self.d_gen = 0
+        self.d_prompt = self.d_gen = self.cancelled = 0
         self.finished, self.failed = [], []
 
     def _shutdown(self) -> None:

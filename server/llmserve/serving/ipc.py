@@ -13,6 +13,8 @@ engine -> client
   {"op": "hb"}                     heartbeat (adapters), every HEARTBEAT_S
   {"op": "stats", ...}             heartbeat with stats and metric deltas (monitors)
 
+An abort for a req_id the engine does not hold (finished, or from before a restart) is ignored.
+
 The engine binds only once its model is loaded (and warmed up), so "connected"
 means "engine up". A dead engine process closes its TCP connections at once:
 the DEALER's monitor reports the disconnect, and clients fail what is in flight.

@@ -2,11 +2,16 @@
 
 They live in the supervisor, not in the engine process, so that counters
 survive an engine restart. The metrics endpoint serves Triton's own metrics
-followed by these (one scrape target).
+followed by these (one scrape target). Triton's are fetched in the background
+(TritonMetrics): on a busy machine Triton's /metrics can take seconds, and a
+scrape must neither wait for it nor see stale llmserve_* gauges.
 """
 
 from __future__ import annotations
 
+import http.client
+import threading
+import time
 import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -26,6 +31,9 @@ class EngineMetrics:
         self.gen_tokens = Counter("llmserve_generation_tokens_total", "Tokens generated", registry=r)
         self.success = Counter("llmserve_request_success_total", "Requests finished", ["finish_reason"], registry=r)
         self.failure = Counter("llmserve_request_failure_total", "Requests failed", ["error_code"], registry=r)
+        self.cancelled = Counter(
+            "llmserve_request_cancelled_total", "Requests aborted because their client went away", registry=r
+        )
         self.ttft = Histogram(
             "llmserve_time_to_first_token_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r
         )
@@ -58,20 +66,59 @@ class EngineMetrics:
             self.e2e.observe(e2e)
         for code in msg["failed"]:
             self.failure.labels(error_code=str(code)).inc()
+        self.cancelled.inc(msg.get("cancelled", 0))
 
     def engine_down(self) -> None:
         self.running.set(0)
         self.waiting.set(0)
         self.kv_used.set(0)
 
-    def exposition(self, triton_metrics_url: str | None) -> bytes:
-        """Triton's metrics (when reachable) followed by ours."""
-        parts = []
-        if triton_metrics_url:
-            try:
-                with urllib.request.urlopen(triton_metrics_url, timeout=2) as r:
-                    parts.append(r.read().rstrip(b"\n") + b"\n")
-            except OSError:
-                parts.append(b"# Triton metrics unavailable\n")
+    def exposition(self, triton: TritonMetrics | None = None) -> bytes:
+        """Triton's metrics (the last good copy) followed by ours (live)."""
+        parts = [triton.text()] if triton else []
         parts.append(generate_latest(self.registry))
         return b"".join(parts)
+
+
+class TritonMetrics:
+    """Triton's /metrics text, fetched by a background thread every `refresh` s.
+
+    text() never blocks: it returns the last good copy, which is at most `refresh` + `timeout` s old
+    while Triton answers (1 + 5 s by default); after `max_age` s without a good fetch (Triton down or
+    hung) it is dropped, so that dead counters are not served as current.
+    """
+
+    def __init__(self, url: str, refresh: float = 1.0, timeout: float = 5.0, max_age: float = 15.0) -> None:
+        self.url, self.refresh, self.timeout, self.max_age = url, refresh, timeout, max_age
+        self._last: tuple[float, bytes] | None = None  # (monotonic start of the fetch, its body)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> TritonMetrics:
+        self._thread = threading.Thread(target=self._run, name="triton-metrics", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def fetch(self) -> bool:
+        t0 = time.monotonic()
+        try:
+            with urllib.request.urlopen(self.url, timeout=self.timeout) as r:
+                body = r.read().rstrip(b"\n") + b"\n"
+        except (OSError, http.client.HTTPException):  # refused while Triton (re)starts, too slow, cut off
+            return False
+        self._last = (t0, body)  # one assignment: the HTTP threads read it without a lock
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.fetch()
+            self._stop.wait(self.refresh)
+
+    def text(self) -> bytes:
+        last = self._last
+        if last is None or time.monotonic() - last[0] > self.max_age:
+            return b"# Triton metrics unavailable\n"
+        return last[1]

@@ -6,7 +6,8 @@ serves health probes and metrics.
 - /v2/health/live: 200 while the supervisor runs.
 - /v2/health/ready: 200 when Triton, the model and the engine are all up,
   else 500 {"error_code": 1 not ready | 2 engine down | 3 engine hung, "error_msg"}.
-- METRICS_HTTP_PORT: Triton's metrics (from its internal port) + llmserve_*.
+- METRICS_HTTP_PORT: Triton's metrics (from its internal port, fetched in the background: a
+  scrape never waits on Triton) + llmserve_* (live).
 
 SIGTERM/SIGINT stop everything gracefully: first a drain (the engine refuses new
 requests with 503 while those in flight finish, for up to LLMSERVE_DRAIN_TIMEOUT
@@ -32,7 +33,7 @@ import zmq
 
 from llmserve.config import Config
 from llmserve.serving.ipc import EngineLink
-from llmserve.serving.metrics import EngineMetrics
+from llmserve.serving.metrics import EngineMetrics, TritonMetrics
 from llmserve.triton.launcher import MODEL_NAME, triton_command
 
 log = logging.getLogger("llmserve.supervisor")
@@ -141,6 +142,7 @@ class Supervisor:
         self.adapters = 0
         self.triton_ready = False
         self.triton_metrics_port = free_port()
+        self.triton_metrics = TritonMetrics(f"http://127.0.0.1:{self.triton_metrics_port}/metrics")
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         launch = triton_command(
@@ -232,6 +234,7 @@ class Supervisor:
         ]
         for target in (self._monitor, self._poll_triton):
             threading.Thread(target=target, daemon=True).start()
+        self.triton_metrics.start()
         for c in self.children:
             c.start()
         hung_limit = 3 * self.cfg.check_health_interval
@@ -297,6 +300,7 @@ class Supervisor:
         log.info("stopping")
         self._drain()
         self.closed.set()
+        self.triton_metrics.stop()
         # One at a time, front end and Triton first: nothing new comes in while the next stops.
         deadline = time.monotonic() + 15
         for c in reversed(self.children):
@@ -344,7 +348,7 @@ class MetricsHandler(_Handler):
         if self.path.split("?")[0].rstrip("/") not in ("", "/metrics"):
             self._reply(404, b"not found\n", "text/plain")
             return
-        body = sup.metrics.exposition(f"http://127.0.0.1:{sup.triton_metrics_port}/metrics")
+        body = sup.metrics.exposition(sup.triton_metrics)
         self._reply(200, body, "text/plain; version=0.0.4; charset=utf-8")
 
 

@@ -8,7 +8,10 @@ request; the last carries TRITONSERVER_RESPONSE_COMPLETE_FINAL.
 
 If the engine process dies, its connection drops and every request in flight
 ends at once with an error response (code 500); while it is down new requests
-get 503. Cancelled gRPC streams abort their requests in the engine.
+get 503. If it sends nothing for CHECK_HEALTH_INTERVAL (hung), its requests end
+with 500 too, and their aborts are queued on the link: should the engine
+resume, it drops them instead of running them on for no one. Cancelled gRPC
+streams abort their requests in the engine.
 
 This module must stay light: it runs in the Triton stub, not in the engine.
 """
@@ -122,11 +125,7 @@ class TritonPythonModel:
                         log.warning("engine disconnected: failing %d requests in flight", len(self.senders))
                         self._fail_all(500, "the engine process died; the request was lost")
             if pull in events:
-                while True:
-                    try:
-                        link.sock.send(pull.recv(zmq.NOBLOCK), zmq.NOBLOCK)
-                    except zmq.Again:
-                        break
+                self._forward(pull, link)
             if link.sock in events:
                 last_msg = now
                 for msg in link.recv_all():
@@ -134,13 +133,28 @@ class TritonPythonModel:
                         self._deliver(msg["items"])
             if self.connected and now - last_msg > self.cfg.check_health_interval and self.senders:
                 log.warning("no heartbeat from the engine for %.1f s", now - last_msg)
-                self._fail_all(500, "the engine is not responding")
+                # The connection is still up (a stopped or busy process keeps it): the aborts wait in
+                # it and reach the engine if it resumes; if it is killed instead, they are dropped.
+                # Adds still in the pipe go first, or an abort could overtake its request.
+                failed = self._fail_all(500, "the engine is not responding")
+                self._forward(pull, link)
+                for req_id in failed:
+                    link.send({"op": "abort", "req_id": req_id})
                 last_msg = now
             if now >= next_cancel_check:
-                self._check_cancelled(link)
+                self._check_cancelled(pull, link)
                 next_cancel_check = now + CANCEL_CHECK_S
         pull.close(0)
         link.close()
+
+    @staticmethod
+    def _forward(pull, link: EngineLink) -> None:
+        """execute()'s requests, from the inproc pipe to the engine."""
+        while True:
+            try:
+                link.sock.send(pull.recv(zmq.NOBLOCK), zmq.NOBLOCK)
+            except zmq.Again:
+                break
 
     def _deliver(self, items: list[dict]) -> None:
         for item in items:
@@ -150,7 +164,7 @@ class TritonPythonModel:
             if sender is not None:
                 self._respond(sender, item, final)
 
-    def _check_cancelled(self, link: EngineLink) -> None:
+    def _check_cancelled(self, pull, link: EngineLink) -> None:
         with self.lock:
             senders = list(self.senders.items())
         # is_cancelled() asks the Triton process: keep it outside the lock execute() needs.
@@ -165,6 +179,7 @@ class TritonPythonModel:
             cancelled = [(r, s) for r, s in cancelled if self.senders.pop(r, None) is s]
         if cancelled:
             log.info("%d request(s) cancelled by the client: aborting them", len(cancelled))
+            self._forward(pull, link)  # an abort must not overtake its request's add
         for req_id, sender in cancelled:
             link.send({"op": "abort", "req_id": req_id})
             try:
@@ -172,11 +187,13 @@ class TritonPythonModel:
             except Exception:
                 pass
 
-    def _fail_all(self, code: int, msg: str) -> None:
+    def _fail_all(self, code: int, msg: str) -> list[str]:
+        """End every request in flight with an error; returns their req_ids."""
         with self.lock:
             senders, self.senders = self.senders, {}
         for req_id, sender in senders.items():
             self._respond(sender, _error(req_id, code, msg), final=True)
+        return list(senders)
 
     @staticmethod
     def _respond(sender, item: dict, final: bool) -> None:
