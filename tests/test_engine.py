@@ -8,7 +8,9 @@ different token.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+import time
 
 import pytest
 
@@ -221,4 +223,66 @@ def test_engine_server_cancel_then_same_req_id(model_dir):
         assert engine.block_manager.num_free == engine.block_manager.num_blocks
     finally:
         client.close(0)
+        server.sock.close(0)
+
+
+def test_engine_server_aborts_the_requests_of_a_client_that_is_gone(model_dir):
+    """A client whose connection closed (a killed Triton stub) gets its requests aborted and their KV
+    blocks freed at the next send to it; another client's requests run on."""
+    import zmq
+
+    from llmserve.serving.engine_server import EngineServer
+    from llmserve.serving.ipc import dumps, endpoint
+    from llmserve.serving.testing import free_ports
+
+    engine = make_engine(model_dir)
+    server = EngineServer(engine.config, engine)
+    port = free_ports(1)[0]
+    server.sock.bind(endpoint(port))
+    clients = []
+    for name in (b"old", b"new"):
+        c = zmq.Context.instance().socket(zmq.DEALER)
+        c.setsockopt(zmq.LINGER, 0)
+        c.setsockopt(zmq.ROUTING_ID, name)
+        c.connect(endpoint(port))
+        clients.append(c)
+    old, new = clients
+    body = {"input_ids": [1, 2, 3], "max_dec_len": 200, "min_dec_len": 200}
+    try:
+        old.send(dumps({"op": "add", "body": body | {"req_id": "o1"}}))
+        old.send(dumps({"op": "add", "body": body | {"req_id": "o2"}}))
+        new.send(dumps({"op": "add", "body": body | {"req_id": "n1"}}))
+        for _ in range(100):
+            if len(server.live) == 3:
+                break
+            server.sock.poll(100)
+            server._drain()
+        assert set(server.live) == {"o1", "o2", "n1"}
+        server._on_outputs(engine.step())
+        server._flush()
+        server._heartbeat()
+        assert not server.gone and engine.block_manager.num_free < engine.block_manager.num_blocks
+        old.close(0)  # the process died: its connection closes
+        for _ in range(100):  # a few steps while the engine's IO thread sees the connection drop
+            if "o1" not in server.live:
+                break
+            time.sleep(0.02)
+            server._on_outputs(engine.step())
+            server._flush()
+            server._heartbeat()
+            server._reap()
+        assert set(server.live) == {"n1"} and server.cancelled == 2
+        assert set(engine.requests) == {"n1"}
+        while engine.has_unfinished():  # the other client's request runs to its end
+            server._on_outputs(engine.step())
+            server._flush()
+        assert not server.live and not server.gone
+        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        got = 0
+        while new.poll(200):
+            got += sum(len(i["token_ids"]) for i in json.loads(new.recv()).get("items", []))
+        assert got == 200
+    finally:
+        for c in clients:
+            c.close(0)
         server.sock.close(0)

@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from llmserve.serving.testing import ServingStack
+from llmserve.serving.supervisor import STUB
+from llmserve.serving.testing import ServingStack, process_tree
 
 tritonclient = pytest.importorskip("tritonclient.grpc")
 from llmserve.triton.client import TritonStream  # noqa: E402
@@ -325,6 +326,61 @@ def test_requests_failed_on_a_hung_engine_are_aborted_when_it_resumes(stack, cli
     assert delta("llmserve_request_success_total") == 0  # ... not run to the end
     assert delta("llmserve_generation_tokens_total") < n * MAX_DEC_LEN / 2
     stack.wait_ready(30)
+
+
+@pytest.mark.parametrize("victim", ["stub", "tritonserver"])
+def test_killed_adapter_s_requests_are_aborted_in_the_engine(stack, victim):
+    """SIGKILL to the Triton Python-backend stub (the adapter), or to tritonserver (the stub exits
+    with it), under 4 long streams: the engine sees the adapter's connection gone and aborts its
+    requests, freeing their KV blocks at once, instead of running them on to MAX_DEC_LEN for no one.
+    Triton is restarted, and its new adapter's requests run whole."""
+    n, body = 4, {"max_dec_len": MAX_DEC_LEN, "min_dec_len": MAX_DEC_LEN}
+    stack.wait_ready(30)
+    time.sleep(0.6)  # earlier requests' stats reach the supervisor within one heartbeat
+    before = stack.metrics()
+    c = TritonStream(stack.grpc_url)
+    try:
+        queues = [c.submit({"text": p, **body}) for p in random_prompts(n)]
+        assert all(q.get(timeout=30)["error_code"] == 0 for q in queues)  # all running
+        deadline = time.monotonic() + 10
+        while stack.metrics()["llmserve_kv_blocks_used"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert stack.metrics()["llmserve_kv_blocks_used"] > 0
+        triton = stack.child_pid("tritonserver")
+        (stub,) = [p for p in process_tree(triton) if STUB in Path(f"/proc/{p}/cmdline").read_bytes().decode()]
+        os.kill(stub if victim == "stub" else triton, signal.SIGKILL)
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 30:
+            m = stack.metrics()
+            if m["llmserve_kv_blocks_used"] == 0 and m["llmserve_requests_running"] == 0:
+                break
+            time.sleep(0.1)
+        freed_in = time.monotonic() - t0
+    finally:
+        c.close()
+    time.sleep(0.6)  # one more stats heartbeat
+    after = stack.metrics()
+
+    def delta(prefix: str) -> float:
+        return sum(v for k, v in after.items() if k.startswith(prefix)) - sum(
+            v for k, v in before.items() if k.startswith(prefix)
+        )
+
+    assert after["llmserve_kv_blocks_used"] == 0 and after["llmserve_requests_running"] == 0, after
+    # Stub: the next heartbeat to it (<= 0.5 s) + stats (<= 0.5 s). Tritonserver: its stub notices
+    # (it checks its parent every few seconds) and exits first.
+    assert freed_in < (3 if victim == "stub" else 15), freed_in
+    assert delta("llmserve_request_cancelled_total") == n  # aborted ...
+    assert delta("llmserve_request_success_total") == 0  # ... not run to the end
+    assert delta("llmserve_generation_tokens_total") < n * MAX_DEC_LEN / 2
+    assert "disconnected: aborted its 4 request(s)" in (stack.log_dir / "engine.log").read_text()
+    stack.wait_ready(90)  # the supervisor restarts Triton; its new adapter's requests run whole
+    c = TritonStream(stack.grpc_url)
+    try:
+        msgs = collect(c.submit({"text": "after the stub", "max_dec_len": 8, "min_dec_len": 8}))
+        assert msgs[-1]["error_code"] == 0 and sum(len(m["token_ids"]) for m in msgs) == 8, msgs[-1]
+    finally:
+        c.close()
 
 
 def test_engine_kill_fails_in_flight_and_restarts(stack, client):

@@ -5,6 +5,11 @@ engine step, send each client ONE message with every request's new tokens,
 expire timed-out requests, and send heartbeats. Admission (parsing, limits,
 queue bound, duplicates) happens here, so every front end gets the same errors.
 
+A client that is gone (its process died: a Triton stub, or tritonserver with
+it) is noticed at the next send to it (ROUTER_MANDATORY: its routing id is no
+longer routable), at the latest at the next heartbeat; its requests are aborted
+then, freeing their KV blocks, instead of running on for no one.
+
 Run: `python -m llmserve.serving.engine_server` (the supervisor does).
 """
 
@@ -59,13 +64,17 @@ class EngineServer:
         self.d_prompt = self.d_gen = 0
         self.finished: list[list] = []  # [finish_reason, ttft, tpot, e2e]
         self.failed: list[int] = []  # error codes
-        self.cancelled = 0  # aborted by their client (or by an adapter that gave up on them)
+        self.cancelled = 0  # aborted by their client, by an adapter that gave up on them, or as its client died
+        self.gone: set[bytes] = set()  # clients found unroutable (disconnected) since the last _reap
         self.stopping = False
         self.draining = False  # SIGUSR1 (the supervisor, on SIGTERM): finish what runs, refuse new work
         self.ctx = zmq.Context.instance()
         self.sock = self.ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        # A send to a client whose connection is gone raises EHOSTUNREACH instead of vanishing: that is
+        # how a dead client (a killed Triton stub) is noticed, and its requests aborted (see _reap).
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
 
@@ -88,6 +97,8 @@ class EngineServer:
             if now >= next_hb:
                 self._heartbeat()
                 next_hb = now + HEARTBEAT_S
+            if self.gone:
+                self._reap()
         self._shutdown()
 
     def _drain(self) -> None:
@@ -218,11 +229,37 @@ class EngineServer:
     def _to(self, client: bytes, msg: dict) -> None:
         try:
             self.sock.send_multipart([client, dumps(msg)], zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the client is gone
+        except zmq.Again:
+            pass  # its queue is full (SNDHWM): dropped
+        except zmq.ZMQError as e:
+            if e.errno == zmq.EHOSTUNREACH:  # its connection is gone: the process died
+                self.gone.add(client)
+
+    def _reap(self) -> None:
+        """Forget the clients that are gone and abort their requests: no one will read the output.
+
+        Only a closed connection makes a routing id unroutable; a client restarted (a new Triton
+        stub) has a new one, so its requests are never among these."""
+        gone, self.gone = self.gone, set()
+        for client in gone:
+            self.adapters.discard(client)
+            self.monitors.discard(client)
+            self.outbox.pop(client, None)
+            orphans = [r for r, lv in self.live.items() if lv.client == client]
+            for req_id in orphans:
+                del self.live[req_id]
+                self.engine.abort(req_id, "the client is gone")
+            self.cancelled += len(orphans)
+            log.log(
+                logging.WARNING if orphans else logging.INFO,
+                "client %s disconnected: aborted its %d request(s) in flight",
+                client.decode(errors="replace"),
+                len(orphans),
+            )
 
     def _heartbeat(self) -> None:
-        for a in self.adapters:
+        # Also to whoever owns a request without having said hello: a dead owner is noticed here.
+        for a in self.adapters | {lv.client for lv in self.live.values()}:
             self._to(a, {"op": "hb"})
         if not self.monitors:
             return

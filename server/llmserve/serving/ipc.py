@@ -14,6 +14,10 @@ engine -> client
   {"op": "stats", ...}             heartbeat with stats and metric deltas (monitors)
 
 An abort for a req_id the engine does not hold (finished, or from before a restart) is ignored.
+A client that disconnects (its process died) needs no message: the engine's ROUTER
+(ROUTER_MANDATORY) fails its next send to it, at the latest the next heartbeat, and the
+engine aborts every request the client had in flight. Routing ids are per socket (the
+adapter's holds its pid and a random suffix), so a restarted client is a new one.
 
 The engine binds only once its model is loaded (and warmed up), so "connected"
 means "engine up". A dead engine process closes its TCP connections at once:

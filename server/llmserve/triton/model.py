@@ -11,7 +11,9 @@ ends at once with an error response (code 500); while it is down new requests
 get 503. If it sends nothing for CHECK_HEALTH_INTERVAL (hung), its requests end
 with 500 too, and their aborts are queued on the link: should the engine
 resume, it drops them instead of running them on for no one. Cancelled gRPC
-streams abort their requests in the engine.
+streams abort their requests in the engine. If this stub dies (or tritonserver,
+taking it along), the engine sees the link's connection close and aborts its
+requests by itself.
 
 This module must stay light: it runs in the Triton stub, not in the engine.
 """
