@@ -108,7 +108,6 @@ class DeviceSampler:
         self, logits: torch.Tensor, reqs: list[Request]
     ) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
         """logits [N, V] float32 (modified in place) -> token ids [N] on the device, logprobs (host)."""
-        len(reqs)
         params = [r.params for r in reqs]
         pen = [
             i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
