@@ -283,8 +283,7 @@ def paged_attention(
             po.stride(0) if split else 0, po.stride(1) if split else 0,
             pl.stride(0) if split else 0, pl.stride(1) if split else 0,
             GROUP=group, GROUP_PAD=gp, BLOCK_T=block_t, BLOCK_N=64, HEAD_DIM=D, D_PAD=d_pad,
-            BLOCK_SIZE=bs, SPLIT=split,
-            num_warps=4 if rows <= 16 else 8, num_stages=2,
+            BLOCK_SIZE=bs, SPLIT=split, num_warps=4 if rows <= 16 else 8, num_stages=2,
         )  # fmt: skip
     if split:
         _merge_kernel[(T, H)](

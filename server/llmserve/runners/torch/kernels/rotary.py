@@ -31,9 +31,12 @@ def rope_cos_sin(inv_freq: np.ndarray, max_pos: int, device: torch.device) -> to
     return torch.stack([ang.cos(), ang.sin()], dim=-1).float().to(device)
 
 
+F16_MAX = 65504.0
+
+
 def saturation(cache_dtype: torch.dtype) -> float:
-    """Bound on q, k and v: fp16's largest value over an fp16 cache (see the docstring), else none."""
-    return float(torch.finfo(torch.float16).max) if cache_dtype == torch.float16 else 0.0
+    """Bound on q, k and v: fp16's largest value over an fp16 cache (see the docstring), else none (0)."""
+    return F16_MAX if cache_dtype == torch.float16 else 0.0
 
 
 if triton is not None:
@@ -114,14 +117,13 @@ def rope_and_cache_ref(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, 
     k = qkv[:, num_heads * D : (num_heads + num_kv_heads) * D].view(T, num_kv_heads, D)
     v = qkv[:, (num_heads + num_kv_heads) * D :].view(T, num_kv_heads, D)
     cs = cos_sin[positions.long()]
-    lim = saturation(k_cache.dtype)
-    sat = (lambda x: x.clamp(-lim, lim)) if lim else (lambda x: x)  # noqa: E731
-    q.copy_(sat(_rotate(q, cs)).to(q.dtype))
+    lim = saturation(k_cache.dtype) or float("inf")
+    q.copy_(_rotate(q, cs).clamp(-lim, lim).to(q.dtype))
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blk, off = slots // bs, slots % bs
-    k_cache[blk, :, off] = sat(_rotate(k[keep], cs[keep])).to(k_cache.dtype)
-    v_cache[blk, :, off] = sat(v[keep].float()).to(v_cache.dtype)
+    k_cache[blk, :, off] = _rotate(k[keep], cs[keep]).clamp(-lim, lim).to(k_cache.dtype)
+    v_cache[blk, :, off] = v[keep].float().clamp(-lim, lim).to(v_cache.dtype)
 
 
 def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, num_heads: int, num_kv_heads: int) -> None:
