@@ -332,7 +332,7 @@ def test_engine_backend(engine, fresh_seed):
 def test_cli_engine_sweep_writes_json_and_plots(tmp_path):
     env = {**os.environ, "MPLBACKEND": "Agg"}
     env.pop("MODEL_DIR", None)
-    cmd = [sys.executable, "-m", "llmserve.bench.cli", "bench", "--backend", "engine", "--num-prompts", "6"]
+    cmd = [sys.executable, "-m", "llmserve.cli", "bench", "--backend", "engine", "--num-prompts", "6"]
     cmd += ["--input-len", "16", "--output-len", "4", "--max-concurrency", "1,3", "--no-progress"]
     cmd += ["--out-dir", str(tmp_path), "--seed", "3", "--save-requests"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
@@ -349,7 +349,7 @@ def test_cli_engine_sweep_writes_json_and_plots(tmp_path):
 
 
 def test_cli_rejects_bad_concurrency():
-    from llmserve.bench.cli import main
+    from llmserve.cli import main
 
     with pytest.raises(SystemExit):
         main(["bench", "--max-concurrency", "1,x"])

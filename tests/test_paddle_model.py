@@ -21,7 +21,7 @@ from llmserve.engine.sampling_params import SamplingParams
 from llmserve.models.config import ModelConfig
 from llmserve.models.export import export_random, export_weights
 from llmserve.models.layout import ModelFormatError, detect_model_format
-from llmserve.models.llama_paddle import LlamaPaddle, param_shapes, rope_inv_freq
+from llmserve.models.llama_paddle import LlamaPaddle, param_shapes
 from llmserve.runners.base import SeqChunk, StepBatch
 from llmserve.runners.paddle import runner as runner_module
 from llmserve.runners.paddle.inputs import build_step_inputs
@@ -59,7 +59,7 @@ def test_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     w = {}
     for name, shape in param_shapes(cfg).items():
         if name == "rope.inv_freq":
-            w[name] = rope_inv_freq(cfg)
+            w[name] = cfg.inv_freq()
         elif name.endswith("norm.weight"):
             w[name] = (1 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
         else:

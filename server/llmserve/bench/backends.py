@@ -11,7 +11,7 @@ triton-grpc send `min_dec_len = max_dec_len`; the engine backend sets
 vLLM extensions `min_tokens` and `ignore_eos` and report the server's `usage`.
 All backends decode greedily by default: `temperature: 0`, except native over
 HTTP, whose front end rejects it (`temperature > 0` as documented): `top_k: 1`
-there, which the engine's sampler runs through its sampling path (slower).
+there, which the engine's samplers treat as greedy (argmax).
 """
 
 from __future__ import annotations

@@ -170,15 +170,3 @@ def run_bench(args: argparse.Namespace) -> int:
     files.insert(0, save_json(out_dir / f"{stem}.json", payload))
     print("wrote " + ", ".join(str(f) for f in files))
     return 1 if any(s["completed"] == 0 for s in summaries) else 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Standalone entry (`python -m llmserve.bench.cli`), until `llmserve bench` is wired in."""
-    parser = argparse.ArgumentParser(prog="llmserve")
-    add_bench_parser(parser.add_subparsers(dest="cmd", required=True))
-    args = parser.parse_args(argv)
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

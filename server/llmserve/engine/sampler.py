@@ -84,7 +84,7 @@ class Sampler:
         if len(req.output_token_ids) < p.min_tokens:
             banned = [t for t in req.eos_token_ids if 0 <= t < row.shape[0]]
             row[banned] = -np.inf
-        if p.greedy or p.top_k == 1:  # top-1 sampling is argmax: skip the sort
+        if p.greedy:
             token = int(np.argmax(row))
         else:
             token = self._draw(row / p.temperature, p, self._rng(req))

@@ -38,7 +38,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Argmax decoding: temperature 0, or top-1 sampling (the same token, without the sort)."""
+        return self.temperature == 0.0 or self.top_k == 1
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:

@@ -41,8 +41,7 @@ log = logging.getLogger("llmserve.http")
 
 MAX_BODY_BYTES = 4 << 20
 OPEN_PATHS = frozenset({"/health", "/v2/health/live", "/v2/health/ready"})
-SHARED_PATH = "/v1/chat/completions"
-ALT = "/v1/chat/completions"  # the seeds' base_url: the openai client appends its paths to it
+SHARED_PATH = "/v1/chat/completions"  # also the seeds' base_url: the openai client appends its paths to it
 
 
 def _style(path: str) -> Style:
@@ -61,8 +60,8 @@ class FrontDoor:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
+        headers = dict(scope["headers"])
         if self.api_key and path not in OPEN_PATHS:
-            headers = dict(scope["headers"])
             auth = headers.get(b"authorization", b"").decode("latin-1")
             scheme, _, token = auth.partition(" ")
             if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), self.api_key.encode()):
@@ -71,7 +70,7 @@ class FrontDoor:
         if scope["method"] not in ("POST", "PUT", "PATCH"):
             return await self.app(scope, receive, send)
         too_big = f"the request body exceeds {self.max_body} bytes"
-        length = dict(scope["headers"]).get(b"content-length")
+        length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body:
             return await error_response(_style(path), 413, too_big)(scope, receive, send)
         chunks, size = [], 0
@@ -196,7 +195,7 @@ def create_app(
 
     # ---- OpenAI ---------------------------------------------------------------------------
     @app.get("/v1/models", tags=["openai"])
-    @app.get(ALT + "/models", include_in_schema=False)
+    @app.get(SHARED_PATH + "/models", include_in_schema=False)
     async def models() -> dict:
         created = int(time.time())
         return {
@@ -208,14 +207,14 @@ def create_app(
     completions_doc = _body_doc(_schema_ref("CompletionRequest"), openai_ok)
 
     @app.post("/v1/completions", tags=["openai"], openapi_extra=completions_doc, summary="OpenAI completions")
-    @app.post(ALT + "/completions", include_in_schema=False)
+    @app.post(SHARED_PATH + "/completions", include_in_schema=False)
     async def completions(request: Request) -> Response:
         async def run():
             return await handle_completions(request, await _json_body(request), backend(request), cfg)
 
         return await guarded("openai", request, run)
 
-    @app.post(ALT + "/chat/completions", include_in_schema=False)
+    @app.post(SHARED_PATH + "/chat/completions", include_in_schema=False)
     async def chat_alt(request: Request) -> Response:
         async def run():
             return await handle_chat(request, await _json_body(request), backend(request), cfg)
@@ -236,7 +235,6 @@ def create_app(
         "*_score, return_usage, timeout) or has no `model`; otherwise OpenAI chat completions.",
     )
     async def chat(request: Request) -> Response:
-        body = None
         try:
             body = await _json_body(request)
         except ApiError as e:

@@ -35,4 +35,4 @@ async def until_disconnected(request: Request, work: Awaitable[T]) -> T | None:
         if not task.done():
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
-    return task.result() if task.done() and not task.cancelled() else None
+    return None if task.cancelled() else task.result()

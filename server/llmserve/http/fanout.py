@@ -11,7 +11,8 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
-from llmserve.http.triton_client import Backend, error_item
+from llmserve.http.triton_client import Backend
+from llmserve.protocol.native import error_response
 
 _DONE = object()
 
@@ -29,10 +30,8 @@ async def fanout(backend: Backend, bodies: list[dict]) -> AsyncIterator[tuple[in
             async with contextlib.aclosing(backend.stream(body)) as gen:
                 async for item in gen:
                     await queue.put((i, item))
-        except asyncio.CancelledError:
-            raise
         except Exception as e:  # a bug: end this choice with an error, not the whole response
-            await queue.put((i, error_item(body.get("req_id"), 500, f"internal error: {e}")))
+            await queue.put((i, error_response(body.get("req_id"), 500, f"internal error: {e}")))
         finally:
             queue.put_nowait(_DONE)
 

@@ -20,9 +20,11 @@ from typing import Protocol
 
 import numpy as np
 
+from llmserve.protocol.native import error_response
+from llmserve.triton.launcher import MODEL_NAME
+
 log = logging.getLogger("llmserve.http")
 
-MODEL_NAME = "model"
 STREAM_SLACK_S = 30.0  # the engine enforces `timeout`; this only guards against a stuck stream
 MAX_STREAM_S = 7 * 24 * 3600.0
 
@@ -33,10 +35,6 @@ class Backend(Protocol):
     async def ready(self) -> bool: ...
 
     async def close(self) -> None: ...
-
-
-def error_item(req_id: str | None, code: int, msg: str) -> dict:
-    return {"req_id": req_id, "is_end": 1, "error_code": code, "error_msg": msg}
 
 
 class TritonBackend:
@@ -80,7 +78,7 @@ class TritonBackend:
             async for result, error in call:
                 if error is not None:
                     finished = True
-                    yield error_item(req_id, 500, f"Triton: {error}")
+                    yield error_response(req_id, 500, f"Triton: {error}")
                     return
                 out = result.as_numpy("OUT")
                 if out is None or out.size == 0:  # an empty final response (after a cancel)
@@ -92,9 +90,7 @@ class TritonBackend:
                 if last:
                     return
             finished = True
-            yield error_item(req_id, 500, "Triton closed the stream before the last response")
-        except asyncio.CancelledError:
-            raise
+            yield error_response(req_id, 500, "Triton closed the stream before the last response")
         except Exception as e:  # grpc.aio.AioRpcError and friends
             finished = True
             code = getattr(e, "code", lambda: None)()
@@ -102,7 +98,7 @@ class TritonBackend:
             log.warning("Triton stream for %s failed: %s %s", req_id, name, e)
             status = 503 if name in ("UNAVAILABLE", "") else (408 if name == "DEADLINE_EXCEEDED" else 500)
             details = e.details() if hasattr(e, "details") else str(e)
-            yield error_item(
+            yield error_response(
                 req_id, status, f"cannot reach the inference server ({name or type(e).__name__}): {details}"
             )
         finally:

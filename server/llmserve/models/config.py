@@ -10,7 +10,7 @@ import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from llmserve.models.rope import SUPPORTED_ROPE_TYPES
+from llmserve.models.rope import rope_inv_freq, rope_type
 
 SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
@@ -51,11 +51,7 @@ class ModelConfig:
                 f"supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         scaling = d.get("rope_scaling") or d.get("rope_parameters") or {}
-        kind = scaling.get("rope_type", scaling.get("type", "default"))
-        if kind not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-            )
+        kind = rope_type(scaling)
         scaling = {} if kind == "default" else {k: v for k, v in scaling.items() if k != "rope_theta"}
         heads = d["num_attention_heads"]
         eos = d.get("eos_token_id")
@@ -107,9 +103,7 @@ class ModelConfig:
 
     def inv_freq(self):
         """Rotary inverse frequencies (numpy float32), scaling included."""
-        from llmserve.models.rope import rope_inv_freq
-
-        return rope_inv_freq(self.head_dim, self.rope_theta, dict(self.rope_scaling) or None)
+        return rope_inv_freq(self.head_dim, self.rope_theta, dict(self.rope_scaling))
 
     @property
     def kv_bytes_per_token(self) -> int:

@@ -23,7 +23,7 @@ import paddle
 
 from llmserve.models.config import ModelConfig
 from llmserve.models.layout import detect_model_format  # noqa: F401 - re-exported for callers
-from llmserve.models.llama_paddle import build_paged_program, param_shapes, random_weights, rope_inv_freq
+from llmserve.models.llama_paddle import build_paged_program, param_shapes, random_weights
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
@@ -99,7 +99,7 @@ def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarra
         return np.ascontiguousarray(np.concatenate([get(n) for n in names], axis=0).T)
 
     out: dict[str, np.ndarray] = {
-        "rope.inv_freq": rope_inv_freq(cfg),
+        "rope.inv_freq": cfg.inv_freq(),
         "embed_tokens.weight": get("model.embed_tokens.weight"),
     }
     for i in range(cfg.num_hidden_layers):

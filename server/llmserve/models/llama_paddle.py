@@ -64,18 +64,13 @@ def param_shapes(cfg: ModelConfig) -> dict[str, list[int]]:
     return shapes
 
 
-def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
-    """As HF computes it (float32), rope scaling included: see models/rope.py."""
-    return cfg.inv_freq()
-
-
 def random_weights(cfg: ModelConfig, seed: int) -> dict[str, np.ndarray]:
     """Seeded random weights: the same seed gives the same arrays on every machine."""
     rng = np.random.default_rng(seed)
     out = {}
     for name, shape in param_shapes(cfg).items():
         if name == "rope.inv_freq":
-            out[name] = rope_inv_freq(cfg)
+            out[name] = cfg.inv_freq()
         elif name.endswith("norm.weight"):
             out[name] = np.ones(shape, np.float32)
         else:

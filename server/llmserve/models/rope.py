@@ -13,14 +13,20 @@ import numpy as np
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 
 
+def rope_type(scaling: dict | None) -> str:
+    """The scaling's type (HF's `rope_type`, formerly `type`); raises for one we do not implement."""
+    scaling = scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    return kind
+
+
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> np.ndarray:
     exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(np.float32) / np.float32(head_dim)
     inv_freq = (1.0 / np.power(np.float32(theta), exponent)).astype(np.float32)
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
-    if kind == "default":
+    if rope_type(scaling) == "default":
         return inv_freq
-    if kind != "llama3":
-        raise ValueError(f"rope_scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     return _llama3(inv_freq, scaling)  # type: ignore[arg-type]
 
 

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from llmserve.engine.sampling_params import SamplingParams
+from llmserve.protocol import error_response as error_response  # re-exported: the native error item
 
 # Error codes: also the HTTP status of the error.
 BAD_REQUEST = 400
@@ -159,10 +160,6 @@ def admit(req: NativeRequest, num_prompt_tokens: int, max_seq_len: int, max_dec_
 
 
 # ---- responses ---------------------------------------------------------------
-def error_response(req_id: str | None, code: int, msg: str) -> dict:
-    return {"req_id": req_id, "is_end": 1, "error_code": code, "error_msg": msg}
-
-
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
     return {
         "prompt_tokens": prompt_tokens,

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from llmserve.config import Config, ConfigError
 from llmserve.serving.supervisor import bind_host, http_frontend_enabled
+from llmserve.triton.launcher import shm_prefix
 
 RUN_FILE = "llmserve.run.json"
 
@@ -135,7 +136,7 @@ def start() -> int:
     )
     run_file.write_text(
         json.dumps(
-            {"pid": proc.pid, "shm_prefix": f"llmserve_{cfg.service_grpc_port}_", "health_port": cfg.health_http_port}
+            {"pid": proc.pid, "shm_prefix": shm_prefix(cfg.service_grpc_port), "health_port": cfg.health_http_port}
         )
     )
     timeout = float(os.environ.get("LLMSERVE_START_TIMEOUT", "600"))

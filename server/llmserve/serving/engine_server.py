@@ -44,8 +44,8 @@ class Live:
     deadline: float
     send_idx: int = 0
     text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)  # when asked: one entry per token
+    token_ids: list[int] = field(default_factory=list)  # without streaming only (sent at the end)
+    logprobs: list[dict] = field(default_factory=list)  # the same, when asked: one entry per token
     first_token_time: float | None = None
 
 
@@ -171,13 +171,14 @@ class EngineServer:
             if lv is None:  # aborted by us (cancel, timeout): already answered
                 continue
             self.d_gen += len(out.new_token_ids)
-            lv.token_ids += out.new_token_ids
             lv.text += out.new_text
-            if out.logprobs:
-                lv.logprobs += [
-                    {"token_id": t, "logprob": lp.logprob, "top": [[i, v] for i, v in lp.top]}
-                    for t, lp in zip(out.new_token_ids, out.logprobs)
-                ]
+            logprobs = [
+                {"token_id": t, "logprob": lp.logprob, "top": lp.top}
+                for t, lp in zip(out.new_token_ids, out.logprobs or ())
+            ]
+            if not self.stream:  # the final message carries them all
+                lv.token_ids += out.new_token_ids
+                lv.logprobs += logprobs
             if lv.first_token_time is None and out.new_token_ids:
                 lv.first_token_time = now
             if out.finished and out.finish_reason == "abort":
@@ -185,15 +186,16 @@ class EngineServer:
                 self._reject(lv.client, out.req_id, native.INTERNAL, out.error or "the engine aborted the request")
             elif out.finished:
                 del self.live[out.req_id]
-                self._send(lv, out, now)
-                n = len(lv.token_ids)
+                self._send(lv, out, logprobs)
+                n = out.num_output_tokens
                 ttft = (lv.first_token_time or now) - lv.arrival
                 tpot = (now - lv.first_token_time) / (n - 1) if n > 1 and lv.first_token_time else None
                 self.finished.append([out.finish_reason or "stop", ttft, tpot, now - lv.arrival])
             elif self.stream and (out.new_token_ids or out.new_text):
-                self._send(lv, out, now)
+                self._send(lv, out, logprobs)
 
-    def _send(self, lv: Live, out: RequestOutput, now: float) -> None:
+    def _send(self, lv: Live, out: RequestOutput, logprobs: list[dict]) -> None:
+        """One message: this output's tokens (and their logprobs) when streaming, else all of them."""
         stream = self.stream
         item = {
             "req_id": out.req_id,
@@ -204,14 +206,13 @@ class EngineServer:
             "error_code": 0,
             "error_msg": "",
         }
-        if lv.req.logprobs is not None:  # an entry per token: this message's tokens, or all of them
-            n = len(out.new_token_ids)
-            item["logprobs"] = (lv.logprobs[len(lv.logprobs) - n :] if n else []) if stream else lv.logprobs
+        if lv.req.logprobs is not None:  # an entry per token
+            item["logprobs"] = logprobs if stream else lv.logprobs
         if out.finished:
             item["tokens_all"] = lv.text
             item["finish_reason"] = out.finish_reason
             if lv.req.return_usage:
-                item["usage"] = native.usage(lv.num_prompt_tokens, len(lv.token_ids), out.num_cached_tokens)
+                item["usage"] = native.usage(lv.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
         lv.send_idx += 1
         self.outbox.setdefault(lv.client, []).append(item)
 

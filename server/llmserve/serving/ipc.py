@@ -43,6 +43,9 @@ def loads(raw: bytes) -> dict[str, Any]:
     return json.loads(raw)
 
 
+MAX_RECV = 10_000  # messages taken per recv_all: the caller's loop gets its turn under a flood
+
+
 def endpoint(port: int) -> str:
     return f"tcp://127.0.0.1:{port}"
 
@@ -96,9 +99,9 @@ class EngineLink:
         except zmq.Again:
             return False
 
-    def recv_all(self, limit: int = 10_000) -> list[dict[str, Any]]:
+    def recv_all(self) -> list[dict[str, Any]]:
         msgs = []
-        while len(msgs) < limit:
+        while len(msgs) < MAX_RECV:
             try:
                 msgs.append(loads(self.sock.recv(zmq.NOBLOCK)))
             except zmq.Again:

@@ -15,6 +15,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from llmserve.serving.control import RUN_FILE
+
 ROOT = Path(__file__).resolve().parents[3]
 PORT_VARS = ("HEALTH_HTTP_PORT", "SERVICE_GRPC_PORT", "METRICS_HTTP_PORT", "INTER_PROC_PORT")
 
@@ -83,7 +85,7 @@ class ServingStack:
 
     @property
     def supervisor_pid(self) -> int | None:
-        f = self.log_dir / "llmserve.run.json"
+        f = self.log_dir / RUN_FILE
         return json.loads(f.read_text())["pid"] if f.exists() else None
 
     def child_pid(self, module: str) -> int:

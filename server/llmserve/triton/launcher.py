@@ -62,6 +62,11 @@ def build_backend_dir(dest: Path) -> Path:
     return dest
 
 
+def shm_prefix(grpc_port: int) -> str:
+    """The name prefix of the Python backend's /dev/shm regions for the Triton on grpc_port."""
+    return f"llmserve_{grpc_port}_"
+
+
 @dataclass
 class TritonLaunch:
     argv: list[str]
@@ -98,7 +103,7 @@ def triton_command(
     backends = Path(own_backends) if own_backends else build_backend_dir(Path(work_dir) / "backends")
     if not (backends / "python").is_dir():
         raise TritonNotFound(f"no python backend in {backends}" + (" (TRITON_BACKEND_DIR)" if own_backends else ""))
-    shm_prefix = f"llmserve_{grpc_port}_"
+    prefix = shm_prefix(grpc_port)
     argv = [
         str(binary),
         f"--model-repository={model_repository}",
@@ -114,7 +119,7 @@ def triton_command(
         "--exit-on-error=true",
         "--strict-readiness=true",
         "--exit-timeout-secs=5",
-        f"--backend-config=python,shm-region-prefix-name={shm_prefix}",
+        f"--backend-config=python,shm-region-prefix-name={prefix}",
         # Small shm regions: our tensors are one JSON string each.
         "--backend-config=python,shm-default-byte-size=1048576",
         "--backend-config=python,shm-growth-byte-size=1048576",
@@ -132,4 +137,4 @@ def triton_command(
     # The stub's embedded interpreter must see the same package as we do.
     env["PYTHONPATH"] = ":".join(p for p in (str(REPO_ROOT / "server"), env.get("PYTHONPATH", "")) if p)
     env.setdefault("PYTHONUNBUFFERED", "1")
-    return TritonLaunch(argv=argv, env=env, shm_prefix=shm_prefix)
+    return TritonLaunch(argv=argv, env=env, shm_prefix=prefix)

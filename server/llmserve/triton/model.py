@@ -32,6 +32,7 @@ import triton_python_backend_utils as pb_utils
 import zmq
 
 from llmserve.config import Config
+from llmserve.protocol import error_response
 from llmserve.serving.ipc import EngineLink
 
 log = logging.getLogger("llmserve.triton")
@@ -40,10 +41,6 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # How often cancelled gRPC streams are looked for: each check asks Triton once per request in
 # flight, so this trades abort latency (<= this) against IPC round trips.
 CANCEL_CHECK_S = 0.1
-
-
-def _error(req_id: str | None, code: int, msg: str) -> dict:
-    return {"req_id": req_id, "is_end": 1, "error_code": code, "error_msg": msg}
 
 
 class TritonPythonModel:
@@ -80,7 +77,7 @@ class TritonPythonModel:
                 if not isinstance(body, dict):
                     raise ValueError("the request must be a JSON object")
             except Exception as e:
-                self._respond(sender, _error(req_id, 400, f"IN must hold one JSON object: {e}"), final=True)
+                self._respond(sender, error_response(req_id, 400, f"IN must hold one JSON object: {e}"), final=True)
                 continue
             req_id = str(body.get("req_id") or req_id or uuid.uuid4())
             body["req_id"] = req_id
@@ -90,9 +87,11 @@ class TritonPythonModel:
                     self.senders[req_id] = sender
                     self.push.send(json.dumps({"op": "add", "body": body}).encode())
             if state == "dup":
-                self._respond(sender, _error(req_id, 409, f"req_id {req_id!r} is already in flight"), final=True)
+                self._respond(
+                    sender, error_response(req_id, 409, f"req_id {req_id!r} is already in flight"), final=True
+                )
             elif state == "down":
-                self._respond(sender, _error(req_id, 503, "the engine is not ready"), final=True)
+                self._respond(sender, error_response(req_id, 503, "the engine is not ready"), final=True)
         return None
 
     def finalize(self) -> None:
@@ -194,7 +193,7 @@ class TritonPythonModel:
         with self.lock:
             senders, self.senders = self.senders, {}
         for req_id, sender in senders.items():
-            self._respond(sender, _error(req_id, code, msg), final=True)
+            self._respond(sender, error_response(req_id, code, msg), final=True)
         return list(senders)
 
     @staticmethod

@@ -109,7 +109,7 @@ class DecoderModel:
         # activation is rounded to bf16 only where a matrix product or the KV cache needs it. Each
         # rounding we skip shrinks the logit error (docs/gpu.md: 1.21e-2 -> <1e-2 of the exact
         # function on the 8B shape) at no measured speed cost: the extra bytes are activations.
-        self.wide = device.type == "cuda" and self.embed.dtype != torch.float32
+        self.wide = device.type == "cuda" and dtype != torch.float32
 
     @property
     def weight_bytes(self) -> int:

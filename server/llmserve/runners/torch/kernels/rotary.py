@@ -117,13 +117,17 @@ def rope_and_cache_ref(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, 
     k = qkv[:, num_heads * D : (num_heads + num_kv_heads) * D].view(T, num_kv_heads, D)
     v = qkv[:, (num_heads + num_kv_heads) * D :].view(T, num_kv_heads, D)
     cs = cos_sin[positions.long()]
-    lim = saturation(k_cache.dtype) or float("inf")
-    q.copy_(_rotate(q, cs).clamp(-lim, lim).to(q.dtype))
+    lim = saturation(k_cache.dtype)
+
+    def clip(x: torch.Tensor) -> torch.Tensor:
+        return x.clamp(-lim, lim) if lim else x
+
+    q.copy_(clip(_rotate(q, cs)).to(q.dtype))
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blk, off = slots // bs, slots % bs
-    k_cache[blk, :, off] = _rotate(k[keep], cs[keep]).clamp(-lim, lim).to(k_cache.dtype)
-    v_cache[blk, :, off] = v[keep].float().clamp(-lim, lim).to(v_cache.dtype)
+    k_cache[blk, :, off] = clip(_rotate(k[keep], cs[keep])).to(k_cache.dtype)
+    v_cache[blk, :, off] = clip(v[keep].float()).to(v_cache.dtype)
 
 
 def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, num_heads: int, num_kv_heads: int) -> None:
