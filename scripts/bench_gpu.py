@@ -82,18 +82,69 @@ def run_engine(engine: LLMEngine, reqs: list[tuple[str, list[int], SamplingParam
 
 
 class StepTimer:
-    """Wraps runner.execute to record (batch size, tokens, model_time, wall time) per step."""
+    """Wraps runner.submit/result to record (batch size, tokens, model_time, wait for the result) per step.
+
+    With overlapped steps the host waits for a step's result while the next one is already queued,
+    so the wait, not the launch, is what the host spends on the device."""
 
     def __init__(self, runner: TorchRunner) -> None:
-        self.inner = runner.execute
+        self.submit, self.result = runner.submit, runner.result
         self.steps: list[tuple[int, int, float, float]] = []
-        runner.execute = self
+        self.shapes: list[tuple[int, int]] = []
+        runner.submit, runner.result = self._submit, self._result
 
-    def __call__(self, batch):
+    def _submit(self, batch):
+        self.shapes.append((len(batch.chunks), batch.num_tokens))
+        return self.submit(batch)
+
+    def _result(self, handle):
         t = time.perf_counter()
-        res = self.inner(batch)
-        self.steps.append((len(batch.chunks), batch.num_tokens, res.model_time, time.perf_counter() - t))
+        res = self.result(handle)
+        b, n = self.shapes.pop(0)
+        self.steps.append((b, n, res.model_time, time.perf_counter() - t))
         return res
+
+
+def matmul_tflops(n: int = 8192) -> float:
+    """bf16 matrix product rate on random data (median of 10 after 3 warm-ups), FLOP/s."""
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    times = []
+    for _ in range(13):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        a @ b
+        e.record()
+        e.synchronize()
+        times.append(s.elapsed_time(e) / 1e3)
+    del a, b
+    return 2 * n**3 / statistics.median(times[3:])
+
+
+def roofline(mc, prompt_lens: list[int], output_lens: list[int], bw: float, peak: float) -> dict:
+    """The fastest the offline workload could run on this GPU, all requests at once:
+
+    T = sum_i F_prefill(p_i) / peak
+      + sum_k max((W + kv * sum_{i: o_i > k} (p_i + k)) / bw, (2 P b_k + 4 L H D sum_{i: o_i > k} (p_i + k)) / peak)
+    with F_prefill(p) = 2 P p + 2 L H D p^2 (causal attention), P the parameters of the matrix products
+    (lm_head included), W the weight bytes, kv the KV-cache bytes of one token, b_k the requests still
+    decoding at decode step k (k = 1 .. max o - 1: each request's first token comes from its prefill).
+    Returns the time and the output tokens/s it allows."""
+    L, H, KVH, D = mc.num_hidden_layers, mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim
+    d, inter, V = mc.hidden_size, mc.intermediate_size, mc.vocab_size
+    P = L * (d * (H + 2 * KVH) * D + H * D * d + 3 * d * inter) + d * V
+    W = 2 * P  # bf16 bytes of the matrix products (the embedding table is read by rows only)
+    kv = 2 * L * KVH * D * 2  # K and V, fp16
+    p, o = np.asarray(prompt_lens, dtype=np.float64), np.asarray(output_lens)
+    t_prefill = float(np.sum(2 * P * p + 2 * L * H * D * p**2)) / peak
+    t_decode = 0.0
+    for k in range(1, int(o.max())):
+        ctx = (p + k)[o > k]
+        if not ctx.size:
+            break
+        t_decode += max((W + kv * ctx.sum()) / bw, (2 * P * ctx.size + 4 * L * H * D * ctx.sum()) / peak)
+    t = t_prefill + t_decode
+    return dict(prefill_s=t_prefill, decode_s=t_decode, total_s=t, output_tok_s=float(o.sum()) / t)
 
 
 def bench_ours(model_dir: str, weight_bytes_hint: int, bw: float, seed: int, out: str, n_req: int) -> None:
@@ -175,6 +226,8 @@ def bench_ours(model_dir: str, weight_bytes_hint: int, bw: float, seed: int, out
     R["throughput_tok_s"] = n_out / wall
     R["throughput_total_tok_s"] = (n_out + int(plen.sum())) / wall
     R["throughput_requests_bad"] = bad
+    R["roofline"] = roofline(runner.model_config, plen.tolist(), olen.tolist(), bw, R["matmul_tflops"] * 1e12)
+    R["throughput_vs_roofline"] = R["throughput_tok_s"] / R["roofline"]["output_tok_s"]
     st = engine.stats()
     R["engine_stats"] = {k: getattr(st, k) for k in vars(st)}
     steps = timer.steps
@@ -353,7 +406,10 @@ def table() -> str:
         ("ours / floor", R.get("single_stream_vs_floor")),
         ("HF static+compiled generate (ms/step)", R.get("hf_static_ms_per_step")),
         ("ours: TTFT 1024-token prompt (ms)", R.get("ttft_1024_ms")),
+        ("bf16 matmul (TFLOP/s)", R.get("matmul_tflops")),
         ("ours: offline throughput (output tok/s)", R.get("throughput_tok_s")),
+        ("roofline of that workload (output tok/s)", (R.get("roofline") or {}).get("output_tok_s")),
+        ("ours / roofline", R.get("throughput_vs_roofline")),
         (
             "ours: requests lost/truncated",
             len(R.get("throughput_requests_bad", [])) if "throughput_tok_s" in R else None,
@@ -389,6 +445,7 @@ def main() -> None:
     R["device"] = torch.cuda.get_device_name()
     R["torch"] = torch.__version__
     R["copy_tb_s"] = copy_bandwidth() / 1e12
+    R["matmul_tflops"] = matmul_tflops() / 1e12
     root = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
     model_dir = args.model_dir or f"{root}/llmserve-random-v3-{args.shape}"
     t = time.perf_counter()

@@ -176,113 +176,94 @@ def test_aborted_req_id_stays_in_flight_until_its_final_output(model_dir):
     assert len(outs[0]) == 3 and reasons[0] == "length" and not engine.requests
 
 
-def test_engine_server_cancel_then_same_req_id(model_dir):
-    """The engine process gets a client's abort and, in the same drain, a new request with that req_id:
-    the new one is refused (409); it must not get the aborted one's final output and be left running."""
-    import zmq
-
-    from llmserve.serving.engine_server import EngineServer
-    from llmserve.serving.ipc import dumps, endpoint, loads
+@pytest.fixture
+def engine_server(demo_dir):
+    """The engine server with its real core process (demo model), its ROUTER on a free port;
+    the test drives its loop with `pump` (no thread)."""
+    from llmserve.serving.engine_server import start
+    from llmserve.serving.ipc import endpoint
     from llmserve.serving.testing import free_ports
 
-    engine = make_engine(model_dir)
-    server = EngineServer(engine.config, engine)
     port = free_ports(1)[0]
+    server = start(Config.from_env({}, model_dir=demo_dir, inter_proc_port=port))
     server.sock.bind(endpoint(port))
-    client = zmq.Context.instance().socket(zmq.DEALER)
-    client.setsockopt(zmq.LINGER, 0)
-    client.connect(endpoint(port))
+    yield server
+    server._shutdown()
+    assert not server.core.alive()
+
+
+def pump(server, done, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert time.monotonic() < deadline, "timed out"
+        assert server.run_once(20)
+
+
+def dealer(port: int, name: bytes):
+    import zmq
+
+    from llmserve.serving.ipc import endpoint
+
+    c = zmq.Context.instance().socket(zmq.DEALER)
+    c.setsockopt(zmq.LINGER, 0)
+    c.setsockopt(zmq.ROUTING_ID, name)
+    c.connect(endpoint(port))
+    return c
+
+
+def received(client, items: list) -> list:
+    from llmserve.serving.ipc import loads
+
+    while client.poll(0):
+        items += loads(client.recv()).get("items", [])
+    return items
+
+
+def test_engine_server_cancel_then_same_req_id(engine_server):
+    """A client's abort and, right after it, a new request with that req_id: the aborted one sends
+    nothing more (no final output), the new one runs to its own end; every block is freed."""
+    from llmserve.serving.ipc import dumps
+
+    server = engine_server
+    client = dealer(server.cfg.inter_proc_port, b"c")
     body = {"input_ids": [1, 2, 3], "req_id": "x", "max_dec_len": 100, "min_dec_len": 100}
-
-    def drain_until(done) -> None:
-        for _ in range(100):
-            if done():
-                return
-            server.sock.poll(100)
-            server._drain()  # no engine step in between
-        raise AssertionError("the messages did not arrive")
-
+    items: list = []
     try:
-        client.send(dumps({"op": "add", "body": body}))
-        drain_until(lambda: "x" in server.live)
-        first = server.live["x"]
-        server._on_outputs(engine.step())
-        server._flush()
+        client.send(dumps({"op": "add", "body": json.dumps(body)}))
+        pump(server, lambda: received(client, items))
         client.send(dumps({"op": "abort", "req_id": "x"}))
-        client.send(dumps({"op": "add", "body": body | {"max_dec_len": 5, "min_dec_len": 5}}))
-        # Both taken (the add refused, or admitted as a new request), with no step in between.
-        drain_until(lambda: server.outbox or server.live.get("x") not in (None, first))
-        for _ in range(10):  # a few steps; what is answered goes out with each
-            server._on_outputs(engine.step())
-            server._flush()
-        items = []
-        while client.poll(200):
-            items += loads(client.recv())["items"]
-        assert [(i["req_id"], i["error_code"]) for i in items if i["is_end"]] == [("x", 409)]
-        assert not server.live and not engine.requests and not engine.has_unfinished()
-        assert engine.block_manager.num_free == engine.block_manager.num_blocks
+        new = body | {"max_dec_len": 5, "min_dec_len": 5, "return_usage": True}
+        client.send(dumps({"op": "add", "body": json.dumps(new)}))
+        pump(server, lambda: any(i["is_end"] for i in received(client, items)))
+        pump(server, lambda: server.kv[2] == 0 and not server.live)  # the core reports its blocks free
+        finals = [i for i in items if i["is_end"]]
+        assert len(finals) == 1 and finals[0]["error_code"] == 0
+        assert finals[0]["usage"]["completion_tokens"] == 5 and finals[0]["finish_reason"] == "length"
     finally:
         client.close(0)
-        server.sock.close(0)
 
 
-def test_engine_server_aborts_the_requests_of_a_client_that_is_gone(model_dir):
+def test_engine_server_aborts_the_requests_of_a_client_that_is_gone(engine_server):
     """A client whose connection closed (a killed Triton stub) gets its requests aborted and their KV
     blocks freed at the next send to it; another client's requests run on."""
-    import zmq
+    from llmserve.serving.ipc import dumps
 
-    from llmserve.serving.engine_server import EngineServer
-    from llmserve.serving.ipc import dumps, endpoint
-    from llmserve.serving.testing import free_ports
-
-    engine = make_engine(model_dir)
-    server = EngineServer(engine.config, engine)
-    port = free_ports(1)[0]
-    server.sock.bind(endpoint(port))
-    clients = []
-    for name in (b"old", b"new"):
-        c = zmq.Context.instance().socket(zmq.DEALER)
-        c.setsockopt(zmq.LINGER, 0)
-        c.setsockopt(zmq.ROUTING_ID, name)
-        c.connect(endpoint(port))
-        clients.append(c)
-    old, new = clients
+    server = engine_server
+    old, new = dealer(server.cfg.inter_proc_port, b"old"), dealer(server.cfg.inter_proc_port, b"new")
     body = {"input_ids": [1, 2, 3], "max_dec_len": 200, "min_dec_len": 200}
+    items: list = []
     try:
-        old.send(dumps({"op": "add", "body": body | {"req_id": "o1"}}))
-        old.send(dumps({"op": "add", "body": body | {"req_id": "o2"}}))
-        new.send(dumps({"op": "add", "body": body | {"req_id": "n1"}}))
-        for _ in range(100):
-            if len(server.live) == 3:
-                break
-            server.sock.poll(100)
-            server._drain()
-        assert set(server.live) == {"o1", "o2", "n1"}
-        server._on_outputs(engine.step())
-        server._flush()
-        server._heartbeat()
-        assert not server.gone and engine.block_manager.num_free < engine.block_manager.num_blocks
+        old.send(dumps({"op": "add", "body": json.dumps(body | {"req_id": "o1"})}))
+        old.send(dumps({"op": "add", "body": json.dumps(body | {"req_id": "o2"})}))
+        new.send(dumps({"op": "add", "body": json.dumps(body | {"req_id": "n1"})}))
+        pump(server, lambda: set(server.live) == {"o1", "o2", "n1"} and server.kv[2] > 0)
+        assert not server.gone
         old.close(0)  # the process died: its connection closes
-        for _ in range(100):  # a few steps while the engine's IO thread sees the connection drop
-            if "o1" not in server.live:
-                break
-            time.sleep(0.02)
-            server._on_outputs(engine.step())
-            server._flush()
-            server._heartbeat()
-            server._reap()
-        assert set(server.live) == {"n1"} and server.cancelled == 2
-        assert set(engine.requests) == {"n1"}
-        while engine.has_unfinished():  # the other client's request runs to its end
-            server._on_outputs(engine.step())
-            server._flush()
-        assert not server.live and not server.gone
-        assert engine.block_manager.num_free == engine.block_manager.num_blocks
-        got = 0
-        while new.poll(200):
-            got += sum(len(i["token_ids"]) for i in json.loads(new.recv()).get("items", []))
-        assert got == 200
+        pump(server, lambda: set(server.live) == {"n1"})  # noticed at a send (a step's items, a heartbeat)
+        assert server.cancelled == 2
+        pump(server, lambda: not server.live and server.kv[2] == 0, timeout=120)  # n1 ran to its end
+        got = sum(len(i["token_ids"]) for i in received(new, items))
+        assert got == 200 and not server.gone
     finally:
-        for c in clients:
+        for c in (old, new):
             c.close(0)
-        server.sock.close(0)

@@ -199,8 +199,8 @@ def test_sampler_matches_host_definitions():
         tokens, _ = sampler.sample(x, reqs)
         np.testing.assert_allclose(x.cpu().numpy(), ref, rtol=1e-5, atol=1e-5)
         assert tokens.tolist() == ref.argmax(1).tolist()
-        for r in reqs:
-            r.output_token_ids.append(int(rng.integers(0, V)))
+        for r, t in zip(reqs, tokens.tolist()):  # penalty counts follow the tokens the sampler drew
+            r.output_token_ids.append(t)
 
 
 def test_sampler_top_k_top_p_support_and_seeds():

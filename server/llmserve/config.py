@@ -104,6 +104,15 @@ class Config:
     max_num_batched_tokens: int = _setting(
         "MAX_PREFILL_TOKENS", 2048, _positive_int, doc="token budget of one step (chunked prefill)"
     )
+    long_prefill_tokens: int = _setting(
+        "LONG_PREFILL_TOKENS",
+        0,
+        int,
+        doc="most prompt tokens of one request per step (0: the runner's default: 256 on CPU, the step budget on CUDA)",
+    )
+    overlap_scheduling: bool = _setting(
+        "LLMSERVE_OVERLAP", True, _bool, doc="schedule step N+1 while step N runs on the GPU (CUDA runner)"
+    )
     kv_cache_memory_fraction: float = _setting(
         "KV_CACHE_MEMORY_FRACTION",
         0.9,
@@ -169,10 +178,20 @@ class Config:
                 errors.append(f"MP_NNODE={self.mp_nnode}: multi-node serving is not supported yet (use 1)")
         if self.check_health_interval <= 0:
             errors.append(f"CHECK_HEALTH_INTERVAL={self.check_health_interval}: must be positive")
+        if self.long_prefill_tokens < 0:
+            errors.append(f"LONG_PREFILL_TOKENS={self.long_prefill_tokens}: must be >= 0 (0: the runner's default)")
         if self.drain_timeout < 0:
             errors.append(f"LLMSERVE_DRAIN_TIMEOUT={self.drain_timeout}: must be >= 0")
         if errors:
             raise ConfigError("invalid settings: " + "; ".join(errors))
+
+    def to_env(self) -> dict[str, str]:
+        """Every setting as its environment variable: how a child process gets this exact config."""
+        env = {}
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            env[f.metadata["env"]] = "" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
+        return env
 
     @property
     def max_blocks_per_seq(self) -> int:

@@ -119,7 +119,8 @@ class BlockManager:
         """Hash the request's blocks that are now full of computed tokens."""
         if not self.enable_prefix_caching:
             return
-        full = req.num_computed_tokens // self.block_size
+        # Only blocks whose tokens are all known (a pending token's id is not) and computed.
+        full = min(req.num_computed_tokens, req.num_known_tokens) // self.block_size
         if len(req.block_hashes) >= full:
             return
         tokens = req.token_ids_slice(len(req.block_hashes) * self.block_size, full * self.block_size)

@@ -1,8 +1,10 @@
 """The engine: request -> scheduler -> runner (model + sampler) -> output.
 
 `step()` runs one batch and returns what each touched request produced. The
-engine is synchronous and single-threaded; the engine process and the
-offline `LLM` drive it in a loop. It knows nothing about HTTP or Triton.
+engine is single-threaded; the engine core process and the offline `LLM`
+drive it in a loop. It knows nothing about HTTP or Triton. With a runner that
+launches asynchronously (CUDA), steps overlap: step N+1 is scheduled and
+launched before step N's tokens are taken in (see `step`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from llmserve.engine.output import RequestOutput
 from llmserve.engine.output_processor import TextState, check_stop_token
 from llmserve.engine.request import FinishReason, Request
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.runners.base import ModelRunner, StepBatch
 
 log = logging.getLogger(__name__)
@@ -58,20 +60,28 @@ class LLMEngine:
     def __init__(self, config: Config, runner: ModelRunner, tokenizer=None) -> None:
         self.config = config
         self.runner = runner
+        # Without a tokenizer (the engine core process) outputs carry token ids only: the engine
+        # server's front process makes their text and checks stop strings.
         self.tokenizer = tokenizer
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
+        self.max_model_len = runner.max_model_len
         self.scheduler = Scheduler(
             self.block_manager,
             max_num_seqs=config.batch_size,
             max_num_batched_tokens=config.max_num_batched_tokens,
             block_ratio=config.block_ratio,
+            max_model_len=self.max_model_len,
+            long_prefill_tokens=config.long_prefill_tokens or runner.default_long_prefill_tokens,
         )
-        self.max_model_len = runner.max_model_len
+        # Overlapped scheduling: step N+1 is scheduled and launched before step N's tokens are
+        # taken in, so host work runs while the device computes (runners that launch asynchronously).
+        self.overlap = runner.overlap and config.overlap_scheduling
         self.capacity_tokens = runner.num_kv_blocks * runner.block_size
         self.requests: dict[str, Request] = {}
         self._text: dict[str, TextState] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._left: list[str] = []  # req_ids that left since the last step (for the runner)
+        self._inflight: tuple[SchedulerOutput, object] | None = None  # launched, output not taken in
         self._steps = self._prompt_tokens = self._gen_tokens = self._preemptions = 0
         self._step_time = self._schedule_time = self._execute_time = 0.0
         self._model_time = self._sample_time = self._output_time = 0.0
@@ -111,85 +121,102 @@ class LLMEngine:
             req.arrival_time = arrival_time
         self.requests[req_id] = req
         self._prompt_tokens += n
-        self._text[req_id] = TextState(req, self.tokenizer)
+        if self.tokenizer is not None:
+            self._text[req_id] = TextState(params, self.tokenizer)
         self.scheduler.add(req)
         return req
 
-    def abort(self, req_id: str, reason: str | None = None) -> bool:
-        """Stop a request and free its blocks now; its final output comes with the next step."""
+    def abort(self, req_id: str, reason: str | None = None, notify: bool = True) -> bool:
+        """Stop a request and free its blocks now; its final output comes with the next step
+        (unless `notify` is False: the caller has ended it already). A step in flight that holds it
+        still runs; its token for it is dropped."""
         req = self.requests.get(req_id)
         if req is None:
             return False
         req.finish_reason = FinishReason.ABORT
         out = self._finish(req)
         out.error = reason
-        self._pending.append(out)
+        if notify:
+            self._pending.append(out)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._pending)
+        return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     # ---- the step --------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and launch one step; return the outputs of the step that completed.
+
+        Serial: launch step N and take its tokens in. Overlapped: launch step N+1, then take in
+        step N's tokens while N+1 runs (a request that ended in N has its N+1 token dropped)."""
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
         sched = self.scheduler.schedule()
         self._preemptions += len(sched.preempted)
-        if not sched.chunks:
-            return outputs
-        left, self._left = self._left, []
+        launched = None
+        if sched.chunks:
+            left, self._left = self._left, []
+            launched = (sched, self.runner.submit(StepBatch(sched.chunks, finished_req_ids=left)))
+            self._steps += 1
         t1 = time.perf_counter()
-        result = self.runner.execute(StepBatch(sched.chunks, finished_req_ids=left))
-        t2 = time.perf_counter()
-        self.scheduler.update(sched)
-        self._steps += 1
         self._schedule_time += t1 - t0
+        done, self._inflight = (self._inflight, launched) if self.overlap else (launched, None)
+        if done is not None:
+            outputs += self._take_in(*done)
+        self._step_time += time.perf_counter() - t0
+        return outputs
+
+    def _take_in(self, sched: SchedulerOutput, handle: object) -> list[RequestOutput]:
+        """Wait for a launched step's tokens and apply them: stops, lengths, text."""
+        t1 = time.perf_counter()
+        result = self.runner.result(handle)
+        t2 = time.perf_counter()
         self._execute_time += t2 - t1
         self._model_time += result.model_time
         self._sample_time += result.sample_time
         now = time.monotonic()
-
-        sampled = iter(range(len(result.token_ids)))
-        for chunk in sched.chunks:
+        outputs = []
+        sampled = [c for c in sched.chunks if c.sample]
+        logprobs = result.logprobs or [None] * len(sampled)
+        for chunk, token, lp in zip(sampled, result.token_ids, logprobs):
             req = chunk.request
-            if not chunk.sample:
+            req.num_pending -= 1
+            if req.is_finished:  # ended (stopped, aborted) while this step ran
                 continue
-            k = next(sampled)
-            token = result.token_ids[k]
             req.output_token_ids.append(token)
             self._gen_tokens += 1
             out = RequestOutput(req.req_id, new_token_ids=[token], num_prompt_tokens=req.num_prompt_tokens)
-            if result.logprobs is not None and result.logprobs[k] is not None:
-                out.logprobs = [result.logprobs[k]]
+            if lp is not None:
+                out.logprobs = [lp]
             if req.first_token_time is None:
                 req.first_token_time = now
                 out.ttft = now - req.arrival_time
-            text = self._text[req.req_id]
             reason = check_stop_token(req, token, self.max_model_len)
-            reason = text.append([token]) or reason
+            text = self._text.get(req.req_id)
+            if text is not None:
+                reason = text.append([token]) or reason
             if reason is not None:
                 req.finish_reason = reason
                 final = self._finish(req)
                 final.new_token_ids, final.logprobs, final.ttft = out.new_token_ids, out.logprobs, out.ttft
                 out = final
             else:
-                out.new_text = text.flush_text(finished=False)
+                out.new_text = text.flush_text(finished=False) if text is not None else ""
                 out.num_output_tokens = len(req.output_token_ids)
                 out.num_cached_tokens = req.num_cached_tokens
             outputs.append(out)
-        t3 = time.perf_counter()
-        self._output_time += t3 - t2
-        self._step_time += t3 - t0
+        self.scheduler.update(sched)
+        self._output_time += time.perf_counter() - t2
         return outputs
 
     def _finish(self, req: Request) -> RequestOutput:
         self.scheduler.remove(req)
         self.requests.pop(req.req_id, None)
-        text = self._text.pop(req.req_id)
+        text = self._text.pop(req.req_id, None)
         self._left.append(req.req_id)
         return RequestOutput(
             req.req_id,
-            new_text=text.flush_text(finished=True),
+            new_text=text.flush_text(finished=True) if text is not None else "",
             finished=True,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             num_prompt_tokens=req.num_prompt_tokens,

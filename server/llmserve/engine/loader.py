@@ -47,7 +47,7 @@ def resolve_model_dir(config: Config) -> Path:
 def load_model(config: Config):
     """(runner, tokenizer) for config.model_dir."""
     from llmserve.engine.tokenizer import load_tokenizer
-    from llmserve.models.export import detect_model_format
+    from llmserve.models.layout import detect_model_format
 
     model_dir = resolve_model_dir(config)
     fmt = detect_model_format(str(model_dir))

@@ -8,13 +8,17 @@ straddles two steps is never streamed out and then taken back.
 from __future__ import annotations
 
 from llmserve.engine.request import FinishReason, Request
+from llmserve.engine.sampling_params import SamplingParams
 
 
 class TextState:
-    """Per-request text: an incremental detokenizer plus what was already emitted."""
+    """Per-request text: an incremental detokenizer plus what was already emitted.
 
-    def __init__(self, req: Request, tokenizer) -> None:
-        self.req = req
+    It needs only the request's params, so it runs wherever the text is wanted: in the engine
+    (offline use) or in the engine server's front process, off the step loop."""
+
+    def __init__(self, params: SamplingParams, tokenizer) -> None:
+        self.params = params
         self.detok = None
         if tokenizer is not None:
             from llmserve.engine.detokenizer import IncrementalDetokenizer
@@ -23,7 +27,7 @@ class TextState:
         self.text = ""
         self.emitted = 0
         self.stopped_by_string = False
-        stops = req.params.stop
+        stops = params.stop
         self.holdback = max((len(s) for s in stops), default=1) - 1
 
     def append(self, token_ids: list[int]) -> FinishReason | None:
@@ -32,7 +36,7 @@ class TextState:
             return None
         start = len(self.text)
         self.text += self.detok.step(token_ids)
-        stops = self.req.params.stop
+        stops = self.params.stop
         if not stops:
             return None
         # Only the new text (plus the tail that could join it) can hold a new match.
@@ -46,7 +50,7 @@ class TextState:
             return None
         k, s = best
         self.stopped_by_string = True
-        self.text = self.text[: k + len(s)] if self.req.params.include_stop_str_in_output else self.text[:k]
+        self.text = self.text[: k + len(s)] if self.params.include_stop_str_in_output else self.text[:k]
         return FinishReason.STOP
 
     def flush_text(self, finished: bool) -> str:
@@ -62,6 +66,6 @@ class TextState:
 def check_stop_token(req: Request, token: int, max_model_len: int) -> FinishReason | None:
     if token in req.eos_token_ids and len(req.output_token_ids) >= req.params.min_tokens:
         return FinishReason.STOP
-    if len(req.output_token_ids) >= req.params.max_tokens or req.num_tokens >= max_model_len:
+    if len(req.output_token_ids) >= req.params.max_tokens or req.num_known_tokens >= max_model_len:
         return FinishReason.LENGTH
     return None

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from llmserve.engine.sampling_params import SamplingParams
 
+PENDING = -1  # the id of a token sampled by a step still in flight
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -31,6 +33,9 @@ class Request:
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
+    # Tokens sampled by a step still in flight (overlapped scheduling): counted in num_tokens, their
+    # ids not known yet. A runner fills them in from its own last output (PENDING in token ids).
+    num_pending: int = 0
     # Tokens whose KV is in the cache (computed this life or found in the prefix cache).
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # of the prompt, served by the prefix cache
@@ -46,20 +51,35 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.num_pending
+
+    @property
+    def num_known_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        """Output tokens sampled so far, those in flight included: the index of the next one."""
+        return len(self.output_token_ids) + self.num_pending
+
+    def done_sampling(self, max_model_len: int) -> bool:
+        """Whether the tokens sampled (in flight included) already end it by length: nothing more to run."""
+        return self.num_generated >= self.params.max_tokens or self.num_tokens >= max_model_len
 
     @property
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_slice(self, start: int, stop: int) -> list[int]:
-        """Tokens [start, stop) of prompt + output, without concatenating both."""
+        """Tokens [start, stop) of prompt + output (+ PENDING for those in flight), without concatenating."""
         n = len(self.prompt_token_ids)
         if stop <= n:
             return self.prompt_token_ids[start:stop]
-        if start >= n:
+        known = n + len(self.output_token_ids)
+        if start >= n and stop <= known:
             return self.output_token_ids[start - n : stop - n]
-        return self.prompt_token_ids[start:] + self.output_token_ids[: stop - n]
+        out = self.prompt_token_ids[start:] + self.output_token_ids[max(0, start - n) : stop - n]
+        return out + [PENDING] * (stop - max(start, known))
 
     @property
     def is_finished(self) -> bool:

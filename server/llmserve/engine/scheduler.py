@@ -9,6 +9,12 @@ Each step:
    BATCH_SIZE (max running requests) and the blocks allow. Admission may fill
    at most BLOCK_RATIO of the blocks, keeping the rest for running requests
    to grow into (fewer preemptions); an idle engine admits regardless.
+
+A scheduled chunk counts as computed at once (`num_computed_tokens` moves when
+it is scheduled, and a sampling chunk adds one pending token), so the next
+step can be scheduled while this one still runs on the device (overlapped
+scheduling). A request whose tokens in flight already reach its length limit
+is left out until its step's output ends it.
 """
 
 from __future__ import annotations
@@ -38,11 +44,17 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         block_ratio: float = 1.0,
+        max_model_len: int = 1 << 62,
+        long_prefill_tokens: int = 0,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.block_ratio = block_ratio
+        self.max_model_len = max_model_len
+        # Most prompt tokens one request computes in a step (0: the whole budget): keeps steps short
+        # beside running streams, and a long prompt from outlasting the engine's hang timeout.
+        self.long_prefill_tokens = long_prefill_tokens or max_num_batched_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -69,7 +81,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if req.done_sampling(self.max_model_len):  # its last token is in flight
+                i += 1
+                continue
+            n = min(req.num_tokens - req.num_computed_tokens, budget, self.long_prefill_tokens)
             while not self.bm.ensure_slots(req, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -84,9 +99,11 @@ class Scheduler:
         # Admit only when nothing was preempted: a preempted request must not be overtaken.
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not out.preempted:
             req = self.waiting[0]
+            if req.num_pending:  # preempted with a token in flight: wait until it is known
+                break
             cached = self.bm.match_prefix(req)
             computed = len(cached) * self.bm.block_size
-            n = min(req.num_tokens - computed, budget)
+            n = min(req.num_tokens - computed, budget, self.long_prefill_tokens)
             new_blocks = self.bm.blocks_for(computed + n) - len(cached)
             if not self.bm.can_allocate(new_blocks, cached):
                 break
@@ -104,15 +121,18 @@ class Scheduler:
         return out
 
     def update(self, out: SchedulerOutput) -> None:
-        """After the step ran: the scheduled tokens are now in the cache."""
+        """After the step's output was taken in: offer its now full blocks to the prefix cache."""
         for c in out.chunks:
-            c.request.num_computed_tokens = c.start + c.num_tokens
-            self.bm.commit(c.request)
+            if not c.request.is_finished:
+                self.bm.commit(c.request)
 
     @staticmethod
     def _chunk(req: Request, n: int) -> SeqChunk:
         start = req.num_computed_tokens
-        return SeqChunk(req, start, n, sample=start + n == req.num_tokens)
+        chunk = SeqChunk(req, start, n, sample=start + n == req.num_tokens)
+        req.num_computed_tokens = start + n
+        req.num_pending += chunk.sample
+        return chunk
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)

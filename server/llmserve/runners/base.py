@@ -61,16 +61,34 @@ class StepResult:
 
 
 class ModelRunner(abc.ABC):
-    """Runs the model over the paged KV cache and samples next tokens."""
+    """Runs the model over the paged KV cache and samples next tokens.
+
+    `execute` runs a step and returns its tokens. The engine calls `submit` then `result`: a runner
+    whose device runs asynchronously (`overlap = True`) returns from `submit` once the step is
+    launched, and the engine schedules and launches the next step before asking for this one's
+    `result`. The next step's chunks then hold `PENDING` (request.py) for the token each request
+    sampled in the step still running: the runner fills those in from its own last output, on the
+    device. Steps are launched and resolved in order, at most one ahead.
+    """
 
     block_size: int
     num_kv_blocks: int  # decided at construction (BLOCK_BS or free memory)
     max_model_len: int
     eos_token_ids: frozenset[int]
     vocab_size: int
+    overlap: bool = False
+    # Most prompt tokens of one request per step when LONG_PREFILL_TOKENS is 0 (0: the step budget).
+    default_long_prefill_tokens: int = 0
 
     @abc.abstractmethod
     def execute(self, batch: StepBatch) -> StepResult: ...
+
+    def submit(self, batch: StepBatch) -> object:
+        """Launch a step; returns a handle for `result`. Synchronous runners just run it."""
+        return self.execute(batch)
+
+    def result(self, handle: object) -> StepResult:
+        return handle  # type: ignore[return-value]
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release device memory and helper threads."""

@@ -1,65 +1,127 @@
-"""The engine process: LLMEngine behind a ZMQ ROUTER (see ipc.py for the wire).
+"""The engine server: the engine's front process, behind a ZMQ ROUTER (see ipc.py for the wire).
 
-One thread runs everything, in a loop: take new requests and aborts, run one
-engine step, send each client ONE message with every request's new tokens,
-expire timed-out requests, and send heartbeats. Admission (parsing, limits,
-queue bound, duplicates) happens here, so every front end gets the same errors.
+It owns everything about a request except running it: admission (parsing, tokenizing,
+limits, queue bound, duplicates), the text (incremental detokenizing, stop strings),
+response formatting, timeouts and clients. The model runs in the engine core process
+(engine_core.py), which it spawns and feeds pre-tokenized requests; the core sends
+back one binary message per step with every request's new tokens. So the per-request
+Python work of a step runs here, beside the device's next step, not before it.
+
+Its loop never waits on a step: it polls the clients and the core, answers each
+client with ONE message per round (every request's new items), sends heartbeats
+every HEARTBEAT_S, and tells how long the core has had work without finishing a
+step (`stalled`): a long step is not a hang, a step that makes no progress for
+CHECK_HEALTH_INTERVAL is.
 
 A client that is gone (its process died: a Triton stub, or tritonserver with
 it) is noticed at the next send to it (ROUTER_MANDATORY: its routing id is no
 longer routable), at the latest at the next heartbeat; its requests are aborted
-then, freeing their KV blocks, instead of running on for no one.
+then, freeing their KV blocks, instead of running on for no one. A message a
+client cannot take yet (its queue is full) is kept and sent with the next round.
 
 Run: `python -m llmserve.serving.engine_server` (the supervisor does).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
+import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 
 import zmq
 
 from llmserve.config import Config
-from llmserve.engine.llm_engine import DuplicateRequestError, LLMEngine, build_engine
-from llmserve.engine.output import RequestOutput
+from llmserve.engine.output_processor import TextState
 from llmserve.protocol import native
 from llmserve.protocol.native import NativeError
 from llmserve.serving.ipc import HEARTBEAT_S, dumps, endpoint, loads
 
 log = logging.getLogger("llmserve.engine_server")
 
+CORE_START_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing CUDA graphs takes minutes
+
 
 @dataclass
 class Live:
-    """A request in flight: who asked, and what was sent so far."""
+    """A request in flight: who asked, its text so far, and what was sent."""
 
     client: bytes
     req: native.NativeRequest
+    core_id: str  # the core's id of it: unique, so a req_id reused at once never takes an old one's tokens
+    text_state: TextState
     num_prompt_tokens: int
     arrival: float
     deadline: float
-    send_idx: int = 0
+    num_output_tokens: int = 0
     text: str = ""
     token_ids: list[int] = field(default_factory=list)  # without streaming only (sent at the end)
     logprobs: list[dict] = field(default_factory=list)  # the same, when asked: one entry per token
     first_token_time: float | None = None
 
 
+class CoreLink:
+    """The engine core process and its PAIR socket."""
+
+    def __init__(self, ctx: zmq.Context, env: dict[str, str] | None = None) -> None:
+        self.sock = ctx.socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        argv = [sys.executable, "-m", "llmserve.serving.engine_core", endpoint(port)]
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        self.info: dict = {}
+
+    def wait_ready(self, timeout: float = CORE_START_TIMEOUT_S) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sock.poll(200):
+                msg = loads(self.sock.recv())
+                if msg["op"] == "ready":
+                    self.info = msg
+                    return msg
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the engine core exited while loading (code {self.proc.returncode})")
+        raise RuntimeError(f"the engine core was not ready within {timeout:.0f} s")
+
+    def send(self, msg: dict) -> None:
+        self.sock.send(dumps(msg))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.alive():
+            try:
+                self.send({"op": "stop"})
+                self.proc.wait(10)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.sock.close(0)
+
+
 class EngineServer:
-    def __init__(self, config: Config, engine: LLMEngine) -> None:
+    def __init__(self, config: Config, core: CoreLink, tokenizer) -> None:
         self.cfg = config
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
+        self.core = core
+        self.tokenizer = tokenizer
         self.stream = not config.disable_streaming
-        self.limit_tokens = min(engine.max_model_len, engine.capacity_tokens)
-        self.live: dict[str, Live] = {}
+        info = core.info
+        self.vocab_size = info["vocab_size"]
+        self.limit_tokens = min(info["max_model_len"], info["capacity_tokens"])
+        self.live: dict[str, Live] = {}  # by req_id
+        self.by_core_id: dict[str, Live] = {}
+        self.next_core_id = 0
         self.adapters: set[bytes] = set()
         self.monitors: set[bytes] = set()
         self.outbox: dict[bytes, list[dict]] = {}
+        self.kv = [0, 0, 0, 0]  # the core's last [running, waiting, kv_blocks_used, kv_blocks_total]
+        self.added_since_kv = 0  # adds sent to the core since its last report (queue bound)
+        self.last_progress = time.monotonic()  # the core's last step, or when it last got work
         # Metric deltas since the last stats message.
         self.d_prompt = self.d_gen = 0
         self.finished: list[list] = []  # [finish_reason, ttft, tpot, e2e]
@@ -77,32 +139,47 @@ class EngineServer:
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.poller = zmq.Poller()
+        self.poller.register(self.sock, zmq.POLLIN)
+        self.poller.register(core.sock, zmq.POLLIN)
+        self.next_hb = self.next_check = 0.0
 
     # ---- loop ------------------------------------------------------------------
     def serve(self) -> None:
         self.sock.bind(endpoint(self.cfg.inter_proc_port))
         log.info("engine serving on %s (pid %d)", endpoint(self.cfg.inter_proc_port), os.getpid())
-        next_hb = next_expiry = 0.0
-        while not self.stopping:
-            busy = self.engine.has_unfinished()
-            if self.sock.poll(0 if busy else 50):
-                self._drain()
-            if self.engine.has_unfinished():
-                self._on_outputs(self.engine.step())
-            now = time.monotonic()
-            if now >= next_expiry:
-                self._expire(now)
-                next_expiry = now + 0.1
-            self._flush()
-            if now >= next_hb:
-                self._heartbeat()
-                next_hb = now + HEARTBEAT_S
-            if self.gone:
-                self._reap()
+        while not self.stopping and self.run_once():
+            pass
         self._shutdown()
 
+    def run_once(self, timeout_ms: int = 50) -> bool:
+        """One round: take what clients and the core sent, answer, expire, beat. False: the core died."""
+        events = dict(self.poller.poll(timeout_ms))
+        if self.sock in events:
+            self._drain()
+        if self.core.sock in events:
+            self._from_core()
+        now = time.monotonic()
+        if now >= self.next_check:
+            self._expire(now)
+            if not self.core.alive():
+                log.error("the engine core exited (code %s)", self.core.proc.returncode)
+                return False
+            self.next_check = now + 0.1
+        self._flush()
+        if now >= self.next_hb:
+            self._heartbeat()
+            self.next_hb = now + HEARTBEAT_S
+        if self.gone:
+            self._reap()
+        return True
+
+    def stalled(self, now: float) -> float:
+        """Seconds the core has had work without finishing a step (0 when idle)."""
+        return now - self.last_progress if self.live else 0.0
+
+    # ---- clients -> core -------------------------------------------------------
     def _drain(self) -> None:
-        waiting = self.engine.stats().waiting
         for _ in range(10_000):
             try:
                 client, raw = self.sock.recv_multipart(zmq.NOBLOCK)
@@ -111,18 +188,17 @@ class EngineServer:
             msg = loads(raw)
             op = msg.get("op")
             if op == "add":
-                waiting += self._add(client, msg["body"], waiting)
+                self._add(client, msg["body"], msg.get("req_id"))
             elif op == "abort":
-                if self.live.pop(msg["req_id"], None) is not None:
-                    self.engine.abort(msg["req_id"], "cancelled by the client")
+                if self._end(msg["req_id"]) is not None:
                     self.cancelled += 1
             elif op == "hello":
                 (self.monitors if msg.get("role") == "monitor" else self.adapters).add(client)
                 log.info("%s connected: %s", msg.get("role"), client.decode(errors="replace"))
 
-    def _add(self, client: bytes, body: dict, waiting: int) -> int:
-        """Admit one request; returns 1 when it was queued, 0 when rejected."""
-        req_id = body.get("req_id") if isinstance(body, dict) else None
+    def _add(self, client: bytes, body: str | bytes | dict, req_id: str | None) -> None:
+        """Admit one request (answering a rejection at once) and hand it to the core.
+        `req_id` (beside the body) names the rejection of a body that does not parse."""
         try:
             req = native.parse(body)
             req_id = req.req_id
@@ -130,7 +206,8 @@ class EngineServer:
                 raise NativeError(native.NOT_READY, "the server is shutting down: not taking new requests")
             if req_id in self.live:
                 raise NativeError(native.DUPLICATE, f"req_id {req_id!r} is already in flight")
-            if waiting >= self.cfg.max_cached_task_num:
+            queued = self.kv[1] + self.added_since_kv
+            if queued >= self.cfg.max_cached_task_num:
                 raise NativeError(
                     native.QUEUE_FULL, f"the queue is full (MAX_CACHED_TASK_NUM={self.cfg.max_cached_task_num})"
                 )
@@ -141,100 +218,162 @@ class EngineServer:
                 raise NativeError(
                     native.TOO_LONG, f"the input has {len(ids)} tokens; this engine serves at most {limit}"
                 )
+            for name, toks in (("input_ids", ids), ("eos_token_ids", params.stop_token_ids)):
+                bad = next((t for t in toks if not 0 <= t < self.vocab_size), None)
+                if bad is not None:
+                    raise NativeError(
+                        native.BAD_REQUEST, f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
+                    )
+            params.top_k = min(params.top_k, self.vocab_size)  # more than the vocabulary: no cut (and fits the wire)
+            fields = dataclasses.asdict(params)
+            if params.seed is not None:  # the samplers use 64 bits of it; the wire carries no more
+                fields["seed"] = params.seed & 0xFFFFFFFFFFFFFFFF
             now = time.monotonic()
-            self.engine.add_request(req_id, ids, params, arrival_time=now)
+            core_id = str(self.next_core_id + 1)
+            msg = dumps({"op": "add", "req_id": core_id, "ids": ids, "params": fields, "arrival": now})
         except NativeError as e:
             self._reject(client, req_id, e.code, e.msg)
-            return 0
-        except DuplicateRequestError as e:
-            self._reject(client, req_id, native.DUPLICATE, str(e))
-            return 0
-        except ValueError as e:
-            self._reject(client, req_id, native.BAD_REQUEST, str(e))
-            return 0
+            return
         except Exception as e:  # a bug: answer it, keep serving
             log.exception("admitting %s failed", req_id)
             self._reject(client, req_id, native.INTERNAL, f"internal error: {e}")
-            return 0
-        self.live[req_id] = Live(client, req, len(ids), now, now + req.timeout)
+            return
+        if not self.live:
+            self.last_progress = now  # the core was idle: its work starts now
+        self.next_core_id += 1
+        self.core.sock.send(msg)
+        self.added_since_kv += 1
+        lv = Live(client, req, core_id, TextState(params, self.tokenizer), len(ids), now, now + req.timeout)
+        self.live[req_id] = self.by_core_id[core_id] = lv
         self.d_prompt += len(ids)
-        return 1
+
+    def _end(self, req_id: str) -> Live | None:
+        """Forget a request in flight and abort it in the core (which then sends nothing more for it)."""
+        lv = self.live.pop(req_id, None)
+        if lv is not None:
+            del self.by_core_id[lv.core_id]
+            self.core.send({"op": "abort", "req_ids": [lv.core_id]})
+        return lv
+
+    def _forget(self, lv: Live) -> None:
+        """A request the core has ended (or refused): nothing to abort."""
+        del self.live[lv.req.req_id], self.by_core_id[lv.core_id]
 
     def _reject(self, client: bytes, req_id: str | None, code: int, msg: str) -> None:
         self.failed.append(code)
         self.outbox.setdefault(client, []).append(native.error_response(req_id, code, msg))
 
-    def _on_outputs(self, outputs: list[RequestOutput]) -> None:
+    # ---- core -> clients -------------------------------------------------------
+    def _from_core(self) -> None:
+        while True:
+            try:
+                msg = loads(self.core.sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            op = msg["op"]
+            if op == "step":
+                self.last_progress = time.monotonic()
+                self.kv, self.added_since_kv = msg["kv"], 0
+                self._on_outputs(msg["outs"])
+            elif op == "reject":
+                lv = self.by_core_id.get(msg["req_id"])
+                if lv is not None:
+                    self._forget(lv)
+                    code = native.DUPLICATE if msg["duplicate"] else native.BAD_REQUEST
+                    self._reject(lv.client, lv.req.req_id, code, msg["msg"])
+
+    def _on_outputs(self, outs: list[list]) -> None:
         now = time.monotonic()
-        for out in outputs:
-            lv = self.live.get(out.req_id)
-            if lv is None:  # aborted by us (cancel, timeout): already answered
+        for core_id, token_ids, reason, num_cached, lps, error in outs:
+            lv = self.by_core_id.get(core_id)
+            if lv is None:  # ended here already (stop string, cancel, timeout): its tokens are dropped
                 continue
-            self.d_gen += len(out.new_token_ids)
-            lv.text += out.new_text
-            logprobs = [
-                {"token_id": t, "logprob": lp.logprob, "top": lp.top}
-                for t, lp in zip(out.new_token_ids, out.logprobs or ())
-            ]
+            req_id = lv.req.req_id
+            if reason == "abort":
+                self._forget(lv)
+                self._reject(lv.client, req_id, native.INTERNAL, error or "the engine aborted the request")
+                continue
+            # Token by token: a stop string ends the request at the token that completes it; tokens
+            # after it are neither sent nor counted.
+            taken = 0
+            for t in token_ids:
+                taken += 1
+                if lv.text_state.append([t]) is not None:
+                    reason = "stop"
+                    self.core.send({"op": "abort", "req_ids": [core_id]})
+                    break
+            new_ids = token_ids[:taken]
+            lv.num_output_tokens += taken
+            self.d_gen += taken
+            new_text = lv.text_state.flush_text(finished=reason is not None)
+            lv.text += new_text
+            logprobs = [{"token_id": t, "logprob": lp[0], "top": lp[1]} for t, lp in zip(new_ids, lps or ())]
             if not self.stream:  # the final message carries them all
-                lv.token_ids += out.new_token_ids
+                lv.token_ids += new_ids
                 lv.logprobs += logprobs
-            if lv.first_token_time is None and out.new_token_ids:
+            if lv.first_token_time is None and new_ids:
                 lv.first_token_time = now
-            if out.finished and out.finish_reason == "abort":
-                del self.live[out.req_id]
-                self._reject(lv.client, out.req_id, native.INTERNAL, out.error or "the engine aborted the request")
-            elif out.finished:
-                del self.live[out.req_id]
-                self._send(lv, out, logprobs)
-                n = out.num_output_tokens
+            if reason is not None:
+                self._forget(lv)
+                self._send(lv, req_id, new_ids, new_text, logprobs, reason, num_cached)
+                n = lv.num_output_tokens
                 ttft = (lv.first_token_time or now) - lv.arrival
                 tpot = (now - lv.first_token_time) / (n - 1) if n > 1 and lv.first_token_time else None
-                self.finished.append([out.finish_reason or "stop", ttft, tpot, now - lv.arrival])
-            elif self.stream and (out.new_token_ids or out.new_text):
-                self._send(lv, out, logprobs)
+                self.finished.append([reason, ttft, tpot, now - lv.arrival])
+            elif self.stream and (new_ids or new_text):
+                self._send(lv, req_id, new_ids, new_text, logprobs, None, num_cached)
 
-    def _send(self, lv: Live, out: RequestOutput, logprobs: list[dict]) -> None:
-        """One message: this output's tokens (and their logprobs) when streaming, else all of them."""
+    def _send(
+        self,
+        lv: Live,
+        req_id: str,
+        new_ids: list[int],
+        new_text: str,
+        logprobs: list[dict],
+        reason: str | None,
+        num_cached: int,
+    ) -> None:
+        """One item: this step's tokens (and their logprobs) when streaming, else all of them."""
         stream = self.stream
         item = {
-            "req_id": out.req_id,
-            "token": out.new_text if stream else lv.text,
-            "token_ids": out.new_token_ids if stream else lv.token_ids,
-            "is_end": int(out.finished),
-            "send_idx": lv.send_idx,
+            "req_id": req_id,
+            "token": new_text if stream else lv.text,
+            "token_ids": new_ids if stream else lv.token_ids,
+            "is_end": int(reason is not None),
             "error_code": 0,
             "error_msg": "",
         }
         if lv.req.logprobs is not None:  # an entry per token
             item["logprobs"] = logprobs if stream else lv.logprobs
-        if out.finished:
+        if reason is not None:
             item["tokens_all"] = lv.text
-            item["finish_reason"] = out.finish_reason
+            item["finish_reason"] = reason
             if lv.req.return_usage:
-                item["usage"] = native.usage(lv.num_prompt_tokens, out.num_output_tokens, out.num_cached_tokens)
-        lv.send_idx += 1
+                item["usage"] = native.usage(lv.num_prompt_tokens, lv.num_output_tokens, num_cached)
         self.outbox.setdefault(lv.client, []).append(item)
 
     def _expire(self, now: float) -> None:
         for req_id in [r for r, lv in self.live.items() if now >= lv.deadline]:
-            lv = self.live.pop(req_id)
-            self.engine.abort(req_id, "timeout")
+            lv = self._end(req_id)
             self._reject(lv.client, req_id, native.TIMEOUT, f"the request timed out after {lv.req.timeout:g} s")
 
     def _flush(self) -> None:
+        kept = {}
         for client, items in self.outbox.items():
-            self._to(client, {"op": "out", "items": items})
-        self.outbox.clear()
+            if not self._to(client, {"op": "out", "items": items}):
+                kept[client] = items  # its queue is full: sent with the next round, in order
+        self.outbox = kept
 
-    def _to(self, client: bytes, msg: dict) -> None:
+    def _to(self, client: bytes, msg: dict) -> bool:
+        """False when the client cannot take it now (its queue is full)."""
         try:
             self.sock.send_multipart([client, dumps(msg)], zmq.NOBLOCK)
         except zmq.Again:
-            pass  # its queue is full (SNDHWM): dropped
+            return False
         except zmq.ZMQError as e:
             if e.errno == zmq.EHOSTUNREACH:  # its connection is gone: the process died
                 self.gone.add(client)
+        return True
 
     def _reap(self) -> None:
         """Forget the clients that are gone and abort their requests: no one will read the output.
@@ -248,8 +387,7 @@ class EngineServer:
             self.outbox.pop(client, None)
             orphans = [r for r, lv in self.live.items() if lv.client == client]
             for req_id in orphans:
-                del self.live[req_id]
-                self.engine.abort(req_id, "the client is gone")
+                self._end(req_id)
             self.cancelled += len(orphans)
             log.log(
                 logging.WARNING if orphans else logging.INFO,
@@ -259,22 +397,24 @@ class EngineServer:
             )
 
     def _heartbeat(self) -> None:
+        stalled = self.stalled(time.monotonic())
         # Also to whoever owns a request without having said hello: a dead owner is noticed here.
         for a in self.adapters | {lv.client for lv in self.live.values()}:
-            self._to(a, {"op": "hb"})
+            self._to(a, {"op": "hb", "stalled": stalled})
         if not self.monitors:
             return
-        st = self.engine.stats()
+        running, waiting, used, total = self.kv
         msg = {
             "op": "stats",
             "pid": os.getpid(),
             "adapters": len(self.adapters),
             "live": len(self.live),
             "draining": self.draining,
-            "running": st.running,
-            "waiting": st.waiting,
-            "kv_blocks_used": st.kv_blocks_used,
-            "kv_blocks_total": st.kv_blocks_total,
+            "stalled": stalled,
+            "running": running,
+            "waiting": waiting,
+            "kv_blocks_used": used,
+            "kv_blocks_total": total,
             "prompt_tokens": self.d_prompt,
             "generation_tokens": self.d_gen,
             "finished": self.finished,
@@ -287,41 +427,40 @@ class EngineServer:
         self.finished, self.failed = [], []
 
     def _shutdown(self) -> None:
-        for req_id, lv in list(self.live.items()):
-            self.engine.abort(req_id, "shutdown")
+        for req_id in list(self.live):
+            lv = self._end(req_id)
             self._reject(lv.client, req_id, native.NOT_READY, "the server is shutting down")
-        self.live.clear()
         self._flush()
         self.sock.close(linger=500)
-        self.engine.shutdown()
+        self.core.close()
 
 
-def warmup(engine: LLMEngine, config: Config) -> None:
-    """Run a few requests through every code path once before serving (USE_WARMUP=1)."""
-    from llmserve.engine.sampling_params import SamplingParams
+def start(config: Config) -> EngineServer:
+    """Resolve the model (building the demo model when none), start the core, load the tokenizer."""
+    from llmserve.engine.loader import resolve_model_dir
+    from llmserve.engine.tokenizer import load_tokenizer
 
-    vocab = engine.runner.vocab_size
-    n = max(1, min(64, engine.max_model_len // 4))
-    for i in range(min(4, config.batch_size)):
-        ids = [(7 * i + k) % vocab for k in range(n)]
-        engine.add_request(
-            f"warmup-{i}", ids, SamplingParams(max_tokens=8, temperature=0.0 if i % 2 else 0.8, ignore_eos=True)
-        )
-    while engine.has_unfinished():
-        engine.step()
+    model_dir = resolve_model_dir(config)
+    env = {**os.environ, **config.to_env(), "MODEL_DIR": str(model_dir)}
+    # A CPU model leaves one core to this process and the rest of the stack: with every core its math
+    # threads are preempted at each step's output work, and wait on each other (2 cores: 30% slower).
+    env.setdefault("LLMSERVE_PADDLE_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
+    core = CoreLink(zmq.Context.instance(), env)
+    try:
+        tokenizer = load_tokenizer(str(model_dir), use_hf=config.use_hf_tokenizer)
+        core.wait_ready()
+    except BaseException:
+        core.proc.kill()
+        raise
+    return EngineServer(config, core, tokenizer)
 
 
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = Config.from_env()
     t0 = time.monotonic()
-    engine = build_engine(config)
-    if config.use_warmup:
-        t1 = time.monotonic()
-        warmup(engine, config)
-        log.info("warm-up done in %.1f s", time.monotonic() - t1)
+    server = start(config)
     log.info("engine ready in %.1f s", time.monotonic() - t0)
-    server = EngineServer(config, engine)
 
     def stop(*_):
         server.stopping = True
@@ -334,6 +473,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGUSR1, drain)
     server.serve()
+    if not server.core.alive() and not server.stopping:
+        sys.exit(1)  # the core died: the supervisor restarts us (and so the core)
 
 
 if __name__ == "__main__":

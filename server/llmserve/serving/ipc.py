@@ -3,14 +3,25 @@
 The engine process binds a ZMQ ROUTER on 127.0.0.1:INTER_PROC_PORT; each
 client connects a DEALER. Messages are JSON objects with an `op`:
 
+Messages are msgpack maps with an `op` (binary, compact; no JSON on the hot path):
+
 client -> engine
   {"op": "hello", "role": "adapter" | "monitor"}    sent on every (re)connect
-  {"op": "add", "body": {...native request...}}      body["req_id"] is set
+  {"op": "add", "req_id": str, "body": str}
+                                   the native request as JSON text, its "req_id" set
+                                   (parsed once, by the engine's admission; the req_id
+                                   beside it names the error of a body that does not parse)
   {"op": "abort", "req_id": str}
 engine -> client
-  {"op": "out", "items": [...]}    one message per step and client: every
-                                   request's new tokens (native response shape)
-  {"op": "hb"}                     heartbeat (adapters), every HEARTBEAT_S
+  {"op": "out", "items": [...]}    one message per step and client: every request's
+                                   new tokens (native response shape, without
+                                   `send_idx`: the adapter numbers what it sends)
+  {"op": "hb", "stalled": float}   heartbeat (adapters), every HEARTBEAT_S, from the
+                                   engine server's loop, which never waits on a step
+                                   (the core process runs them): it says the process
+                                   lives however long a step takes; `stalled` is how
+                                   long the core has had work without finishing a step
+                                   (a hang is `stalled` past CHECK_HEALTH_INTERVAL)
   {"op": "stats", ...}             heartbeat with stats and metric deltas (monitors)
 
 An abort for a req_id the engine does not hold (finished, or from before a restart) is ignored.
@@ -26,9 +37,9 @@ the DEALER's monitor reports the disconnect, and clients fail what is in flight.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
@@ -36,11 +47,11 @@ HEARTBEAT_S = 0.5
 
 
 def dumps(msg: dict[str, Any]) -> bytes:
-    return json.dumps(msg, ensure_ascii=False, separators=(",", ":")).encode()
+    return msgpack.packb(msg, use_bin_type=True)
 
 
 def loads(raw: bytes) -> dict[str, Any]:
-    return json.loads(raw)
+    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
 MAX_RECV = 10_000  # messages taken per recv_all: the caller's loop gets its turn under a flood

@@ -1,8 +1,9 @@
 """The supervisor: starts and watches tritonserver and the engine process,
 serves health probes and metrics.
 
-- The engine process is restarted whenever it exits (or hangs: no heartbeat
-  for 3 x CHECK_HEALTH_INTERVAL); tritonserver likewise.
+- The engine process is restarted whenever it exits (or hangs: no heartbeat, or
+  no step finished while it has work, for 3 x CHECK_HEALTH_INTERVAL); tritonserver
+  likewise.
 - /v2/health/live: 200 while the supervisor runs.
 - /v2/health/ready: 200 when Triton, the model and the engine are all up,
   else 500 {"error_code": 1 not ready | 2 engine down | 3 engine hung, "error_msg"}.
@@ -139,6 +140,7 @@ class Supervisor:
         self.stub_seen: int | None = None  # the tritonserver pid whose stub we saw alive
         self.next_stub_check = 0.0
         self.last_hb: float | None = None
+        self.stalled = 0.0  # how long the engine has had work without finishing a step (its last stats)
         self.adapters = 0
         self.triton_ready = False
         self.triton_metrics_port = free_port()
@@ -178,6 +180,8 @@ class Supervisor:
         age = time.monotonic() - self.last_hb
         if age > self.cfg.check_health_interval:
             return ENGINE_HUNG, f"no heartbeat from the engine for {age:.1f} s"
+        if self.stalled > self.cfg.check_health_interval:
+            return ENGINE_HUNG, f"the engine has made no progress for {self.stalled:.1f} s"
         if not self.triton.alive() or not self.triton_ready:
             return NOT_READY, "Triton server or model not ready"
         if self.adapters == 0:
@@ -199,6 +203,7 @@ class Supervisor:
                 for msg in link.recv_all():
                     if msg.get("op") == "stats":
                         self.last_hb = time.monotonic()
+                        self.stalled = msg.get("stalled", 0.0)
                         self.adapters = msg["adapters"]
                         self.engine_live = msg.get("live")
                         self.engine_draining = bool(msg.get("draining"))
@@ -256,10 +261,14 @@ class Supervisor:
                     c.restarts += 1
                     c.start()
             self._check_stub(now)
-            if self.engine.alive() and self.last_hb is not None and now - self.last_hb > hung_limit:
-                log.error("engine hung (no heartbeat for %.0f s): killing it", now - self.last_hb)
-                self.engine.stop(signal.SIGKILL)
-                self.last_hb = None
+            if self.engine.alive() and self.last_hb is not None:
+                silent, stalled = now - self.last_hb, self.stalled + (now - self.last_hb)
+                if silent > hung_limit or stalled > hung_limit:
+                    log.error(
+                        "engine hung (no heartbeat for %.0f s, no progress for %.0f s): killing it", silent, stalled
+                    )
+                    self.engine.stop(signal.SIGKILL)  # its core dies with it
+                    self.last_hb, self.stalled = None, 0.0
         self._shutdown(servers)
         return 0
 

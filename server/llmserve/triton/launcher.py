@@ -7,11 +7,27 @@ the stub that matches the running interpreter. The stub embeds libpython:
 the running Python's shared library goes on LD_LIBRARY_PATH, and the venv's
 `bin/` on PATH so that the embedded interpreter finds the venv (and imports
 our package) like the process that started it.
+
+The stub starts Python isolated: it ignores PYTHONPATH, so our model file
+(model_repository/model/1/model.py) puts PYTHONPATH's entries first itself.
+
+numpy 2: Triton 2.51's stub is built with pybind11 2.10, which reads numpy's
+dtype struct at its numpy-1 layout. Under numpy 2 it sees every item size as
+0, so string tensors arrive as the first byte repeated (the request cannot be
+parsed and the stub dies: "unpack_from requires a buffer of at least ...")
+and go out empty. Nothing in Python can undo that, so the stub needs numpy<2:
+the environment's (pyproject pins it), or a directory holding numpy<2 named
+by LLMSERVE_TRITON_STUB_PYTHONPATH, which goes first on the stub's path only
+(the engine and the front end keep the environment's numpy 2). With numpy 2
+and neither, `triton_command` refuses to start with that explanation.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import os
+import re
 import shutil
 import sys
 import sysconfig
@@ -21,6 +37,7 @@ from pathlib import Path
 MODEL_NAME = "model"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+STUB_PYTHONPATH_ENV = "LLMSERVE_TRITON_STUB_PYTHONPATH"  # directories first on the stub's path (numpy<2)
 
 
 class TritonNotFound(RuntimeError):
@@ -28,11 +45,11 @@ class TritonNotFound(RuntimeError):
 
 
 def pytriton_root() -> Path:
-    try:
-        import pytriton
-    except ImportError as e:
-        raise TritonNotFound("nvidia-pytriton is not installed: `pip install 'nvidia-pytriton>=0.6,<0.8'`") from e
-    return Path(pytriton.__file__).resolve().parent
+    """The `pytriton` package directory, found without importing it (we need its files, not its code)."""
+    spec = importlib.util.find_spec("pytriton")
+    if spec is None or not spec.submodule_search_locations:
+        raise TritonNotFound("nvidia-pytriton is not installed: `pip install 'nvidia-pytriton>=0.6,<0.8'`")
+    return Path(next(iter(spec.submodule_search_locations))).resolve()
 
 
 def _python_tag() -> str:
@@ -60,6 +77,40 @@ def build_backend_dir(dest: Path) -> Path:
             shutil.copy2(src, tmp)
             os.replace(tmp, dst)
     return dest
+
+
+def stub_reads_numpy2(stub: Path) -> bool:
+    """Whether a Python-backend stub understands numpy 2 (pybind11 >= 2.12 names `numpy._core`; 2.10 does not)."""
+    return b"numpy._core" in stub.read_bytes()
+
+
+def _numpy_major(dirs: list[str]) -> tuple[int, str] | None:
+    """(major version, where) of the numpy the stub imports: the first of `dirs` that holds one, else ours."""
+    for d in dirs:
+        found = sorted(Path(d).glob("numpy-*.dist-info"))
+        if found:
+            m = re.match(r"numpy-(\d+)\.", found[0].name)
+            return (int(m.group(1)), d) if m else None
+        if (Path(d) / "numpy").is_dir():
+            return None  # a numpy without metadata: trust it
+    try:
+        return int(importlib.metadata.version("numpy").split(".")[0]), "this environment"
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def check_stub_numpy(stub: Path, stub_path: list[str]) -> None:
+    """Refuse a stub that misreads numpy 2 arrays (Triton 2.51's) when the numpy it would import is numpy 2."""
+    if not stub.is_file() or stub_reads_numpy2(stub):
+        return
+    found = _numpy_major(stub_path)
+    if found and found[0] >= 2:
+        raise TritonNotFound(
+            f"the Triton Python-backend stub {stub} (Triton 2.51, pybind11 2.10) misreads numpy 2 arrays, "
+            f"and the numpy it would import is numpy {found[0]} ({found[1]}): string tensors would arrive "
+            f"corrupted. Install numpy<2 in this environment, or give the stub its own: "
+            f"`pip install --target DIR 'numpy<2'` and {STUB_PYTHONPATH_ENV}=DIR (only the stub uses it)."
+        )
 
 
 def shm_prefix(grpc_port: int) -> str:
@@ -103,6 +154,9 @@ def triton_command(
     backends = Path(own_backends) if own_backends else build_backend_dir(Path(work_dir) / "backends")
     if not (backends / "python").is_dir():
         raise TritonNotFound(f"no python backend in {backends}" + (" (TRITON_BACKEND_DIR)" if own_backends else ""))
+    merged_env = {**os.environ, **(extra_env or {})}
+    stub_path = [p for p in merged_env.get(STUB_PYTHONPATH_ENV, "").split(os.pathsep) if p]
+    check_stub_numpy(backends / "python" / "triton_python_backend_stub", stub_path)
     prefix = shm_prefix(grpc_port)
     argv = [
         str(binary),
@@ -134,7 +188,9 @@ def triton_command(
     pylib = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = ":".join(p for p in (pylib, str(libs or ""), env.get("LD_LIBRARY_PATH", "")) if p)
     env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
-    # The stub's embedded interpreter must see the same package as we do.
-    env["PYTHONPATH"] = ":".join(p for p in (str(REPO_ROOT / "server"), env.get("PYTHONPATH", "")) if p)
+    # The stub's embedded interpreter must see the same package as we do (our model file puts
+    # PYTHONPATH first on its sys.path: the stub itself ignores it), and numpy<2 before all.
+    pythonpath = [*stub_path, str(REPO_ROOT / "server"), *env.get("PYTHONPATH", "").split(os.pathsep)]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(p for p in pythonpath if p))
     env.setdefault("PYTHONUNBUFFERED", "1")
     return TritonLaunch(argv=argv, env=env, shm_prefix=prefix)

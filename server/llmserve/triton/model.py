@@ -1,21 +1,41 @@
 """The Triton Python-backend model (decoupled): a thin adapter to the engine process.
 
 `execute` reads the native JSON request from `IN`, registers the request's
-response sender and hands the request to an IO thread, which owns the ZMQ link
-to the engine process (ZMQ sockets are single-threaded). The IO thread turns
-each engine message (one per step, all requests) into one `OUT` response per
-request; the last carries TRITONSERVER_RESPONSE_COMPLETE_FINAL.
+response sender and hands the request (as JSON text: the engine parses it) to
+an IO thread, which owns the ZMQ link to the engine process (ZMQ sockets are
+single-threaded). The engine sends one message per step with every request's
+new tokens; the IO thread answers each request with `OUT` responses, the last
+one carrying TRITONSERVER_RESPONSE_COMPLETE_FINAL, and numbers them itself
+(`send_idx` 0, 1, 2, ... per request, counting the responses it sends).
+
+Coalescing: each turn of the IO loop takes every engine message waiting, and
+`coalesce` merges each request's consecutive token items into one response
+(texts, token_ids and logprobs concatenated; the last item's is_end,
+tokens_all, finish_reason, usage win). At pace that is one response per
+request and step, as before; when this thread falls behind (a busy or briefly
+stopped stub, a burst of short steps), a request gets one response holding
+all its tokens so far instead of one per step, so the backlog is cleared in
+one go. Nothing is dropped or reordered; an error item ends its request after
+the tokens before it.
+
+Health: the engine server sends a heartbeat every HEARTBEAT_S from its loop,
+which never waits on a step (the engine core process runs them), with
+`stalled`: how long the core has had work without finishing a step. The
+requests in flight end with 500 ("the engine is not responding") when nothing
+at all arrived for CHECK_HEALTH_INTERVAL (the engine process is stopped or
+frozen), or when a heartbeat says a step has made no progress for longer than
+that (requests that arrive while it stays stuck fail at the next heartbeat). Their aborts are queued on
+the link: should the engine resume, it drops them instead of running them on
+for no one.
 
 If the engine process dies, its connection drops and every request in flight
 ends at once with an error response (code 500); while it is down new requests
-get 503. If it sends nothing for CHECK_HEALTH_INTERVAL (hung), its requests end
-with 500 too, and their aborts are queued on the link: should the engine
-resume, it drops them instead of running them on for no one. Cancelled gRPC
-streams abort their requests in the engine. If this stub dies (or tritonserver,
-taking it along), the engine sees the link's connection close and aborts its
-requests by itself.
+get 503. Cancelled gRPC streams abort their requests in the engine. If this
+stub dies (or tritonserver, taking it along), the engine sees the link's
+connection close and aborts its requests by itself.
 
 This module must stay light: it runs in the Triton stub, not in the engine.
+The per-response path is one json.dumps; nothing else is done per token.
 """
 
 from __future__ import annotations
@@ -33,7 +53,7 @@ import zmq
 
 from llmserve.config import Config
 from llmserve.protocol import error_response
-from llmserve.serving.ipc import EngineLink
+from llmserve.serving.ipc import EngineLink, dumps
 
 log = logging.getLogger("llmserve.triton")
 
@@ -41,6 +61,51 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # How often cancelled gRPC streams are looked for: each check asks Triton once per request in
 # flight, so this trades abort latency (<= this) against IPC round trips.
 CANCEL_CHECK_S = 0.1
+_LISTS = ("token_ids", "logprobs")
+
+
+def coalesce(items: list[dict]) -> list[dict]:
+    """Merge each request's consecutive token items into one, in the order of first appearance.
+
+    A merged item holds the concatenated `token` texts, `token_ids` and `logprobs`; every
+    other field (is_end, tokens_all, finish_reason, usage, ...) is the last item's. An item
+    with is_end or an error_code ends its request's group: an error stays an item of its own,
+    after the tokens merged before it, and whatever follows with the same req_id starts anew.
+    The input items are not modified (a merged item is a copy).
+    """
+    out: list[dict] = []
+    groups: dict = {}  # req_id -> [index in out, copied?] of its open (not final) group
+    for item in items:
+        rid = item.get("req_id")
+        g = groups.get(rid)
+        if item.get("error_code"):
+            if g is not None:
+                del groups[rid]
+            out.append(item)
+            continue
+        if g is None:
+            if not item.get("is_end"):
+                groups[rid] = [len(out), False]
+            out.append(item)
+            continue
+        m = out[g[0]]
+        if not g[1]:  # copy before the first merge: the caller's items stay as they were
+            m = out[g[0]] = dict(m)
+            for k in _LISTS:
+                if k in m:
+                    m[k] = list(m[k])
+            g[1] = True
+        text = m.get("token", "")
+        for k, v in item.items():
+            if k in _LISTS:
+                if v:
+                    m.setdefault(k, []).extend(v)
+            else:
+                m[k] = v
+        m["token"] = text + item.get("token", "")
+        if item.get("is_end"):
+            del groups[rid]
+    return out
 
 
 class TritonPythonModel:
@@ -49,6 +114,7 @@ class TritonPythonModel:
         self.cfg = Config.from_env()
         self.ctx = zmq.Context()
         self.senders: dict[str, object] = {}  # req_id -> response sender
+        self.send_idx: dict[str, int] = {}  # req_id -> its next send_idx (IO thread only)
         self.lock = threading.Lock()
         # execute() -> IO thread: an inproc pipe, the push end guarded by the lock.
         self.push = self.ctx.socket(zmq.PUSH)
@@ -76,16 +142,19 @@ class TritonPythonModel:
                 body = json.loads(raw)
                 if not isinstance(body, dict):
                     raise ValueError("the request must be a JSON object")
+                req_id = str(body.get("req_id") or req_id or uuid.uuid4())
+                body["req_id"] = req_id
+                # JSON text (ASCII: a lone surrogate survives it): the engine parses and validates it
+                # once. The req_id beside it lets the engine route a rejection without parsing.
+                msg = dumps({"op": "add", "req_id": req_id, "body": json.dumps(body)})
             except Exception as e:
                 self._respond(sender, error_response(req_id, 400, f"IN must hold one JSON object: {e}"), final=True)
                 continue
-            req_id = str(body.get("req_id") or req_id or uuid.uuid4())
-            body["req_id"] = req_id
             with self.lock:
                 state = "dup" if req_id in self.senders else ("ok" if self.connected else "down")
                 if state == "ok":
                     self.senders[req_id] = sender
-                    self.push.send(json.dumps({"op": "add", "body": body}).encode())
+                    self.push.send(msg)
             if state == "dup":
                 self._respond(
                     sender, error_response(req_id, 409, f"req_id {req_id!r} is already in flight"), final=True
@@ -108,6 +177,7 @@ class TritonPythonModel:
         link.register(poller)
         poller.register(pull, zmq.POLLIN)
         self.ready.set()
+        limit = self.cfg.check_health_interval
         last_msg = time.monotonic()
         next_cancel_check = 0.0
         while not self.stop.is_set():
@@ -127,21 +197,36 @@ class TritonPythonModel:
                         self._fail_all(500, "the engine process died; the request was lost")
             if pull in events:
                 self._forward(pull, link)
+            hung = None
             if link.sock in events:
-                last_msg = now
-                for msg in link.recv_all():
-                    if msg.get("op") == "out":
-                        self._deliver(msg["items"])
-            if self.connected and now - last_msg > self.cfg.check_health_interval and self.senders:
-                log.warning("no heartbeat from the engine for %.1f s", now - last_msg)
-                # The connection is still up (a stopped or busy process keeps it): the aborts wait in
+                msgs = link.recv_all()
+                if msgs:
+                    last_msg = now
+                items: list[dict] = []
+                stalled = 0.0  # the latest word: a heartbeat's `stalled`, or an output (a step ended)
+                for msg in msgs:
+                    op = msg.get("op")
+                    if op == "out":
+                        items += msg["items"]
+                        stalled = 0.0
+                    elif op == "hb":
+                        stalled = msg.get("stalled") or 0.0
+                if items:
+                    self._deliver(items)
+                if stalled > limit:
+                    hung = f"the engine is not responding (a step has made no progress for {stalled:.1f} s)"
+            if not hung and self.connected and now - last_msg > limit and self.senders:
+                hung = "the engine is not responding"
+                last_msg = now  # requests that come next get their own CHECK_HEALTH_INTERVAL
+            if hung and self.senders:
+                log.warning("%s: failing %d request(s) in flight", hung, len(self.senders))
+                # The connection is still up (a stopped or stuck process keeps it): the aborts wait in
                 # it and reach the engine if it resumes; if it is killed instead, they are dropped.
                 # Adds still in the pipe go first, or an abort could overtake its request.
-                failed = self._fail_all(500, "the engine is not responding")
+                failed = self._fail_all(500, hung)
                 self._forward(pull, link)
                 for req_id in failed:
                     link.send({"op": "abort", "req_id": req_id})
-                last_msg = now
             if now >= next_cancel_check:
                 self._check_cancelled(pull, link)
                 next_cancel_check = now + CANCEL_CHECK_S
@@ -158,12 +243,27 @@ class TritonPythonModel:
                 break
 
     def _deliver(self, items: list[dict]) -> None:
-        for item in items:
-            final = bool(item.get("is_end"))
-            with self.lock:
-                sender = self.senders.pop(item["req_id"], None) if final else self.senders.get(item["req_id"])
-            if sender is not None:
-                self._respond(sender, item, final)
+        """Send the engine's items, merged per request (see `coalesce`), each numbered (send_idx)."""
+        out, merged = [], coalesce(items)
+        with self.lock:
+            for item in merged:
+                rid = item.get("req_id")
+                final = bool(item.get("is_end") or item.get("error_code"))
+                sender = self.senders.pop(rid, None) if final else self.senders.get(rid)
+                if sender is not None:
+                    out.append((sender, item, final))
+                elif rid is None:  # others are for requests that ended here (cancelled, failed)
+                    log.warning("an engine reply with no req_id cannot be routed: %s", item.get("error_msg"))
+        idx = self.send_idx
+        for sender, item, final in out:
+            rid = item["req_id"]
+            if item.get("error_code"):  # an error has no send_idx (as the engine's own rejections)
+                idx.pop(rid, None)
+            else:
+                item["send_idx"] = idx.pop(rid, 0) if final else idx.get(rid, 0)
+                if not final:
+                    idx[rid] = item["send_idx"] + 1
+            self._respond(sender, item, final)
 
     def _check_cancelled(self, pull, link: EngineLink) -> None:
         with self.lock:
@@ -182,6 +282,7 @@ class TritonPythonModel:
             log.info("%d request(s) cancelled by the client: aborting them", len(cancelled))
             self._forward(pull, link)  # an abort must not overtake its request's add
         for req_id, sender in cancelled:
+            self.send_idx.pop(req_id, None)
             link.send({"op": "abort", "req_id": req_id})
             try:
                 sender.send(flags=FINAL)
@@ -193,6 +294,7 @@ class TritonPythonModel:
         with self.lock:
             senders, self.senders = self.senders, {}
         for req_id, sender in senders.items():
+            self.send_idx.pop(req_id, None)
             self._respond(sender, error_response(req_id, code, msg), final=True)
         return list(senders)
 

@@ -15,6 +15,7 @@ import logging
 import numpy as np
 import torch
 
+from .inputs import PinnedStaging
 from .kernels.attention import AttnMeta, tile_tokens
 
 log = logging.getLogger(__name__)
@@ -39,7 +40,7 @@ class DecodeGraphs:
         self.sizes = [mb, mb, mb, mb, mb * max_blocks]
         self.offsets = np.cumsum([0] + self.sizes)
         self.static = torch.zeros(int(self.offsets[-1]), dtype=torch.int32, device=dev)
-        self.staging = torch.zeros(int(self.offsets[-1]), dtype=torch.int32, pin_memory=True)
+        self.staging = PinnedStaging(dev, int(self.offsets[-1]))
         s = self._views(self.static)
         self.ids, self.pos, self.slots, self.seq_lens, self.bt = s
         self.cu_q = torch.arange(mb + 1, dtype=torch.int32, device=dev)
@@ -96,11 +97,13 @@ class DecodeGraphs:
     def bucket(self, batch: int) -> int | None:
         return next((b for b in self.buckets if b >= batch), None)
 
-    def replay(self, a: dict[str, np.ndarray]) -> torch.Tensor:
-        """Logits [bucket, V] of a decode-only step given host arrays (inputs.host_arrays)."""
+    def replay(self, a: dict[str, np.ndarray], fill_ids=None) -> torch.Tensor:
+        """Logits [bucket, V] of a decode-only step given host arrays (inputs.host_arrays);
+        `fill_ids(ids)` may then write device-side inputs into the static ids before the replay."""
         B = a["ids"].shape[0]
         bs = self.bucket(B)
-        host = self._views(self.staging)
+        staging = self.staging.take(int(self.offsets[-1]))
+        host = self._views(staging)
         ids, pos, slots, lens, bt = (t.numpy() for t in host)
         ids[:B], pos[:B], slots[:B], lens[:B] = a["ids"], a["positions"], a["slots"], a["seq_lens"]
         ids[B:bs], pos[B:bs], slots[B:bs], lens[B:bs] = 0, 0, -1, 0
@@ -108,6 +111,9 @@ class DecodeGraphs:
         bt[:B, :w] = a["bt"]
         # one copy: everything up to the end of the block-table rows in use
         end = int(self.offsets[4]) + bs * self.max_blocks
-        self.static[:end].copy_(self.staging[:end], non_blocking=True)
+        self.static[:end].copy_(staging[:end], non_blocking=True)
+        self.staging.copied()
+        if fill_ids is not None:
+            fill_ids(self.ids[:B])
         self.graphs[bs].replay()
         return self.logits[bs]

@@ -14,6 +14,7 @@ from itertools import chain
 import numpy as np
 import torch
 
+from llmserve.engine.request import PENDING
 from llmserve.runners.base import SeqChunk
 
 from .kernels.attention import AttnMeta
@@ -49,6 +50,9 @@ def host_arrays(chunks: list[SeqChunk], block_size: int) -> dict[str, np.ndarray
         first = np.cumsum(q_lens) - q_lens
         positions = starts[seq_of] + (np.arange(T) - first[seq_of])
     slots = bt[seq_of, positions // block_size] * block_size + positions % block_size
+    # Inputs drawn by the step still in flight (overlapped scheduling): filled in on the device.
+    pending = np.flatnonzero(ids == PENDING)
+    ids[pending] = 0
     cu_q = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu_q[1:])
     sampled = np.fromiter((i for i, c in enumerate(chunks) if c.sample), dtype=np.int64)
@@ -62,6 +66,8 @@ def host_arrays(chunks: list[SeqChunk], block_size: int) -> dict[str, np.ndarray
         cu_q=cu_q,
         sampled=sampled,
         sample_tok=cu_q[1:][sampled] - 1,
+        pending=pending,
+        seq_of_pending=seq_of[pending],
     )
 
 
@@ -73,13 +79,38 @@ def work_items(q_lens: np.ndarray, block_t: int) -> tuple[np.ndarray, np.ndarray
     return item_seq, (np.arange(int(tiles.sum())) - first[item_seq]) * block_t
 
 
+class PinnedStaging:
+    """Two pinned host buffers used in turn, each reused only once its last copy to the device is
+    done: with overlapped steps the host packs step N+1 while step N's copy may still be queued."""
+
+    def __init__(self, device: torch.device, capacity: int) -> None:
+        self.pinned = device.type == "cuda"
+        self.bufs = [torch.empty(capacity, dtype=torch.int32, pin_memory=self.pinned) for _ in range(2)]
+        self.events = [torch.cuda.Event() if self.pinned else None for _ in range(2)]
+        self.turn = 0
+
+    def take(self, size: int) -> torch.Tensor:
+        """A host buffer of at least `size` int32 that no copy in flight reads."""
+        self.turn ^= 1
+        if self.events[self.turn] is not None:
+            self.events[self.turn].synchronize()
+        if size > self.bufs[self.turn].numel():
+            self.bufs[self.turn] = torch.empty(2 * size, dtype=torch.int32, pin_memory=self.pinned)
+        return self.bufs[self.turn]
+
+    def copied(self) -> None:
+        """Call right after enqueuing the copy out of the buffer `take` gave."""
+        if self.events[self.turn] is not None:
+            self.events[self.turn].record()
+
+
 class Uploader:
     """Packs int32 sections into a pinned buffer and copies them to the device in one go."""
 
     def __init__(self, device: torch.device, capacity: int = 1 << 20) -> None:
         self.device = device
         self.pinned = device.type == "cuda"
-        self._buf = torch.empty(capacity, dtype=torch.int32, pin_memory=self.pinned)
+        self.staging = PinnedStaging(device, capacity)
 
     def upload(self, sections: list[np.ndarray], out: torch.Tensor | None = None) -> list[torch.Tensor]:
         sizes = [a.size for a in sections]
@@ -87,16 +118,16 @@ class Uploader:
         # section alignment that changed from step to step would recompile them mid-run.
         spans = [-(-n // 4) * 4 for n in sizes]
         total = sum(spans)
-        if total > self._buf.numel():
-            self._buf = torch.empty(2 * total, dtype=torch.int32, pin_memory=self.pinned)
-        host = self._buf.numpy()
+        buf = self.staging.take(total)
+        host = buf.numpy()
         off = 0
         for a, n, span in zip(sections, sizes, spans):
             host[off : off + n] = a.reshape(-1)
             off += span
         if out is None:
             out = torch.empty(total, dtype=torch.int32, device=self.device)
-        out[:total].copy_(self._buf[:total], non_blocking=True)
+        out[:total].copy_(buf[:total], non_blocking=True)
+        self.staging.copied()
         views, off = [], 0
         for a, n, span in zip(sections, sizes, spans):
             views.append(out[off : off + n].view(a.shape))

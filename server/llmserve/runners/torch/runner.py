@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +30,17 @@ from .sampler import DeviceSampler
 log = logging.getLogger(__name__)
 
 
+@dataclass
+class _Launched:
+    """A launched step: its tokens (device, and the pinned host copy in flight) and timing."""
+
+    host: torch.Tensor
+    tokens: torch.Tensor
+    logprobs: object  # tokens -> logprobs, or None
+    start: object  # CUDA event (or perf_counter time on CPU) of the step's start
+    end: torch.cuda.Event | None
+
+
 def pick_device(config: Config) -> torch.device:
     if config.device == "cuda" or (config.device == "auto" and torch.cuda.is_available()):
         if not torch.cuda.is_available():
@@ -38,6 +50,10 @@ def pick_device(config: Config) -> torch.device:
 
 
 class TorchRunner(ModelRunner):
+    # Launches are asynchronous on CUDA; on CPU the same code runs synchronously (and is what the
+    # tests check overlapped scheduling with).
+    overlap = True
+
     def __init__(self, model_dir: str, config: Config) -> None:
         self.config = config
         cfg_path = config.model_config_path or str(Path(model_dir) / "config.json")
@@ -58,6 +74,11 @@ class TorchRunner(ModelRunner):
         self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1)
         log.info("loaded %.2f GB of weights in %.1f s", self.model.weight_bytes / 1e9, time.perf_counter() - t0)
         self.uploader = Uploader(self.device)
+        self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
+        self._last_rows: dict[str, int] = {}
+        # Prompt tokens of one request per step: a CPU step over 2048 tokens deep in a long prompt
+        # takes seconds; on CUDA the whole step budget.
+        self.default_long_prefill_tokens = 0 if self.device.type == "cuda" else 256
         self.sampler = DeviceSampler(self.vocab_size, self.device, config.seed)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 1
         self.max_batch = config.batch_size
@@ -175,6 +196,16 @@ class TorchRunner(ModelRunner):
         else:
             self._t_start = time.perf_counter()
 
+    def _fill_pending(self, batch: StepBatch, ids: torch.Tensor, a: dict) -> None:
+        """Write into `ids` (device) the tokens the last step drew for this step's PENDING inputs."""
+        pend = a["pending"]
+        if not pend.size:
+            return
+        last_rows = self._last_rows
+        src = [last_rows[batch.chunks[i].request.req_id] for i in a["seq_of_pending"]]
+        idx = torch.from_numpy(np.stack([pend, np.asarray(src, dtype=np.int64)])).to(self.device, non_blocking=True)
+        ids.index_copy_(0, idx[0], self._last_tokens.index_select(0, idx[1]).to(ids.dtype))
+
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:
         """Logits [num sampled chunks, V] (float32) of a step; writes its K/V. Exposed for tests."""
@@ -187,31 +218,52 @@ class TorchRunner(ModelRunner):
             and a["bt"].shape[1] <= self.graphs.max_blocks
             and self.graphs.bucket(B) is not None
         ):
-            logits = self.graphs.replay(a)
+            logits = self.graphs.replay(a, lambda ids: self._fill_pending(batch, ids, a))
             if a["sampled"].shape[0] == B:
                 return logits[:B]
             return logits[torch.from_numpy(a["sampled"]).to(self.device)]
         x = self.prepare(batch, a)
+        self._fill_pending(batch, x.input_ids, a)
         hidden = self.model.forward(x.input_ids, x.positions, x.slot_mapping, x.meta, self.kv_cache)
         return self.model.logits(hidden[x.sample_idx.long()])
 
     @torch.inference_mode()
-    def execute(self, batch: StepBatch) -> StepResult:
+    def submit(self, batch: StepBatch) -> _Launched:
+        """Launch a step (forward + sampling, no host sync); its tokens stay on the device for the
+        next step's PENDING inputs and are copied back asynchronously for `result`."""
         if batch.finished_req_ids:
             self.sampler.drop(batch.finished_req_ids)
-        cuda = self.device.type == "cuda"
         self._t_start = None
         logits = self.forward_logits(batch)
-        reqs = [c.request for c in batch.chunks if c.sample]
-        tokens, lps = self.sampler.sample(logits, reqs) if reqs else (logits.new_zeros(0, dtype=torch.long), None)
+        sampled = [c for c in batch.chunks if c.sample]
+        reqs = [c.request for c in sampled]
+        if reqs:
+            out_index = [c.start + c.num_tokens - c.request.num_prompt_tokens for c in sampled]
+            tokens, lps = self.sampler.sample(logits, reqs, out_index)
+        else:
+            tokens, lps = logits.new_zeros(0, dtype=torch.long), None
+        self._last_tokens, self._last_rows = tokens, {r.req_id: i for i, r in enumerate(reqs)}
+        cuda = self.device.type == "cuda"
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
+        host.copy_(tokens, non_blocking=cuda)
+        end = None
         if cuda:
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-        token_ids = tokens.tolist()  # the step's one device-to-host sync
-        if cuda:
-            end.synchronize()  # a step that samples nothing copies nothing back
-        model_time = self._t_start.elapsed_time(end) / 1e3 if cuda else time.perf_counter() - self._t_start
-        return StepResult(token_ids, lps, model_time=model_time)
+        return _Launched(host, tokens, lps, self._t_start, end)
+
+    def result(self, handle: _Launched) -> StepResult:
+        h = handle
+        if h.end is not None:
+            h.end.synchronize()  # the step's one wait for the device
+            model_time = h.start.elapsed_time(h.end) / 1e3
+        else:
+            model_time = time.perf_counter() - h.start
+        lps = h.logprobs(h.tokens) if h.logprobs is not None else None
+        return StepResult(h.host.tolist(), lps, model_time=model_time)
+
+    def execute(self, batch: StepBatch) -> StepResult:
+        return self.result(self.submit(batch))
 
     def shutdown(self) -> None:
         self.graphs = None

@@ -28,14 +28,17 @@ from .kernels.sampling import gumbel_argmax, mix_key
 
 
 class PenaltyState:
-    """Per-request token counts on the device: output counts and a prompt-seen mask."""
+    """Per-request token counts on the device: output counts and a prompt-seen mask.
+
+    A request's row is filled once, from its prompt and the output it already has (preempted
+    requests keep their row); after that each token drawn for it is counted on the device as it
+    is drawn, so the counts never wait for the host to learn the tokens (overlapped steps)."""
 
     def __init__(self, vocab: int, device: torch.device) -> None:
         self.vocab, self.device = vocab, device
         self.counts = torch.zeros(0, vocab, dtype=torch.int32, device=device)
         self.seen = torch.zeros(0, vocab, dtype=torch.bool, device=device)
         self.row: dict[str, int] = {}
-        self.synced: dict[str, int] = {}  # output tokens already counted
         self.free: list[int] = []
 
     def _grow(self) -> None:
@@ -49,13 +52,12 @@ class PenaltyState:
         for rid in req_ids:
             r = self.row.pop(rid, None)
             if r is not None:
-                self.synced.pop(rid)
                 self.counts[r].zero_()
                 self.seen[r].zero_()
                 self.free.append(r)
 
     def rows(self, reqs: list[Request]) -> torch.Tensor:
-        """State rows of `reqs`, after counting the tokens each gained since the last call."""
+        """State rows of `reqs`, filling those seen for the first time."""
         rows, seen_r, seen_t, cnt_r, cnt_t = [], [], [], [], []
         for req in reqs:
             r = self.row.get(req.req_id)
@@ -63,22 +65,21 @@ class PenaltyState:
                 if not self.free:
                     self._grow()
                 r = self.row[req.req_id] = self.free.pop()
-                self.synced[req.req_id] = 0
                 seen_t.extend(req.prompt_token_ids)
                 seen_r.extend([r] * len(req.prompt_token_ids))
-            done = self.synced[req.req_id]
-            new = req.output_token_ids[done:]
-            cnt_t.extend(new)
-            cnt_r.extend([r] * len(new))
-            self.synced[req.req_id] = done + len(new)
+                cnt_t.extend(req.output_token_ids)
+                cnt_r.extend([r] * len(req.output_token_ids))
             rows.append(r)
         if seen_t:
             idx = torch.tensor([seen_r, seen_t], dtype=torch.int64).to(self.device, non_blocking=True)
             self.seen[idx[0], idx[1]] = True
         if cnt_t:
-            idx = torch.tensor([cnt_r, cnt_t], dtype=torch.int64).to(self.device, non_blocking=True)
-            self.counts.index_put_((idx[0], idx[1]), torch.ones_like(idx[0], dtype=torch.int32), accumulate=True)
+            self.count(torch.tensor(cnt_r, dtype=torch.int64), torch.tensor(cnt_t, dtype=torch.int64))
         return torch.tensor(rows, dtype=torch.int64).to(self.device, non_blocking=True)
+
+    def count(self, rows: torch.Tensor, tokens: torch.Tensor) -> None:
+        rows, tokens = rows.to(self.device, non_blocking=True), tokens.to(self.device, non_blocking=True)
+        self.counts.index_put_((rows, tokens), torch.ones_like(rows, dtype=torch.int32), accumulate=True)
 
 
 class DeviceSampler:
@@ -105,17 +106,25 @@ class DeviceSampler:
         return s
 
     def sample(
-        self, logits: torch.Tensor, reqs: list[Request]
-    ) -> tuple[torch.Tensor, list[TokenLogprobs | None] | None]:
-        """logits [N, V] float32 (modified in place) -> token ids [N] on the device, logprobs (host)."""
+        self, logits: torch.Tensor, reqs: list[Request], out_index: list[int] | None = None
+    ) -> tuple[torch.Tensor, object]:
+        """logits [N, V] float32 (modified in place) -> token ids [N] on the device, and a function
+        of those tokens giving the logprobs (host lists; None when none were asked for).
+
+        out_index[i]: the output index of the token drawn for reqs[i] (default: its output length).
+        It keys seeded draws and min_tokens; it is given because with overlapped steps the request's
+        last tokens may not be known to the host yet."""
         params = [r.params for r in reqs]
+        if out_index is None:
+            out_index = [len(r.output_token_ids) for r in reqs]
         pen = [
             i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
         ]
-        ban = [i for i, r in enumerate(reqs) if len(r.output_token_ids) < r.params.min_tokens and r.eos_token_ids]
+        ban = [i for i, r in enumerate(reqs) if out_index[i] < r.params.min_tokens and r.eos_token_ids]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        pen_rows = None
         if pen:
-            self._apply_penalties(logits, pen, [reqs[i] for i in pen])
+            pen_rows = self._apply_penalties(logits, pen, [reqs[i] for i in pen])
         if ban:
             rows = [i for i in ban for _ in reqs[i].eos_token_ids]
             toks = [t for i in ban for t in reqs[i].eos_token_ids]
@@ -126,12 +135,12 @@ class DeviceSampler:
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=1)
         else:
-            tokens = self._draw(logits, reqs)
-        if lps is None:
-            return tokens, None
-        return tokens, lps(tokens)
+            tokens = self._draw(logits, reqs, out_index)
+        if pen_rows is not None:  # count the drawn tokens of penalised requests, on the device
+            self.penalties.count(pen_rows, tokens[torch.tensor(pen, dtype=torch.int64, device=self.device)])
+        return tokens, lps
 
-    def _apply_penalties(self, logits: torch.Tensor, idx: list[int], reqs: list[Request]) -> None:
+    def _apply_penalties(self, logits: torch.Tensor, idx: list[int], reqs: list[Request]) -> torch.Tensor:
         rows = self.penalties.rows(reqs)
         p = torch.tensor(
             [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty] for r in reqs],
@@ -145,6 +154,7 @@ class DeviceSampler:
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)
         x = x - p[:, 1:2] * counts - p[:, 2:3] * (counts > 0)
         logits[b] = x
+        return rows
 
     def _logprobs(self, logits: torch.Tensor, idx: list[int], reqs: list[Request]):
         k = max(reqs[i].params.logprobs for i in idx)
@@ -163,13 +173,13 @@ class DeviceSampler:
 
         return finish
 
-    def _draw(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _draw(self, logits: torch.Tensor, reqs: list[Request], out_index: list[int]) -> torch.Tensor:
         n = len(reqs)
         prm = np.empty((4, n), dtype=np.float64)
         for i, r in enumerate(reqs):
             p = r.params
             prm[0, i] = 0.0 if p.greedy else 1.0 / p.temperature
-            prm[1, i] = mix_key(self._seed(r), len(r.output_token_ids)) if not p.greedy else 0
+            prm[1, i] = mix_key(self._seed(r), out_index[i]) if not p.greedy else 0
             prm[2, i] = p.top_k if (p.top_k and not p.greedy) else 0
             prm[3, i] = p.top_p if not p.greedy else 1.0
         dev = torch.from_numpy(prm).to(self.device, non_blocking=True)

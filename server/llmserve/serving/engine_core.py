@@ -1,0 +1,146 @@
+"""The engine core process: scheduler, runner and sampler in a tight loop, and nothing else.
+
+The engine server (engine_server.py) spawns it and owns everything around it:
+admission, tokenizing, detokenizing, stop strings, response formatting,
+timeouts and clients. So the core's loop holds only what must be serial with
+the device: take new requests and aborts, run `LLMEngine.step()` (which
+overlaps the next step's scheduling with the device's current step), and send
+ONE binary message per step with every request's new tokens.
+
+The link is one ZMQ PAIR over loopback, msgpack messages:
+
+server -> core
+  {"op": "add", "req_id", "ids": [int], "params": {SamplingParams fields}, "arrival": float}
+  {"op": "abort", "req_ids": [str]}      the server has ended them: no output is wanted
+  {"op": "stop"}
+core -> server
+  {"op": "ready", "vocab_size", "max_model_len", "capacity_tokens"}    once, when loaded
+  {"op": "step", "outs": [[req_id, token_ids, finish_reason | None, num_cached_tokens,
+                           logprobs | None, error | None], ...],
+   "kv": [running, waiting, kv_blocks_used, kv_blocks_total]}          per step, and after taking
+                                                                       in messages when idle
+  {"op": "reject", "req_id", "msg", "duplicate": bool}                 an add the engine refused
+
+The core dies with its server (PR_SET_PDEATHSIG), so a killed server leaves no core behind.
+
+Run: `python -m llmserve.serving.engine_core ENDPOINT` (the engine server does).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+import signal
+import sys
+import time
+
+import zmq
+
+from llmserve.config import Config
+from llmserve.engine.llm_engine import DuplicateRequestError, LLMEngine
+from llmserve.engine.output import RequestOutput
+from llmserve.engine.sampling_params import SamplingParams
+from llmserve.serving.ipc import dumps, loads
+
+log = logging.getLogger("llmserve.engine_core")
+
+IDLE_POLL_MS = 100
+
+
+def encode(out: RequestOutput) -> list:
+    lps = [[lp.logprob, lp.top] for lp in out.logprobs] if out.logprobs else None
+    return [out.req_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, lps, out.error]
+
+
+class EngineCore:
+    def __init__(self, engine: LLMEngine, sock: zmq.Socket) -> None:
+        self.engine = engine
+        self.sock = sock
+        self.stopping = False
+
+    def serve(self) -> None:
+        eng = self.engine
+        parent = os.getppid()
+        while not self.stopping:
+            took = self.sock.poll(0 if eng.has_unfinished() else IDLE_POLL_MS) and self._drain()
+            outs = eng.step() if eng.has_unfinished() else []
+            if outs or took or eng.has_unfinished():  # every step reports: it is the server's sign of progress
+                bm, sch = eng.block_manager, eng.scheduler
+                kv = [len(sch.running), len(sch.waiting), bm.num_used, bm.num_blocks]
+                self.sock.send(dumps({"op": "step", "outs": [encode(o) for o in outs], "kv": kv}))
+            elif os.getppid() != parent:  # the server is gone (belt and braces beside PDEATHSIG)
+                break
+
+    def _drain(self) -> bool:
+        eng = self.engine
+        took = False
+        while True:
+            try:
+                msg = loads(self.sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return took
+            took = True
+            op = msg["op"]
+            if op == "add":
+                try:
+                    eng.add_request(msg["req_id"], msg["ids"], SamplingParams(**msg["params"]), msg["arrival"])
+                except ValueError as e:
+                    dup = isinstance(e, DuplicateRequestError)
+                    self.sock.send(dumps({"op": "reject", "req_id": msg["req_id"], "msg": str(e), "duplicate": dup}))
+            elif op == "abort":
+                for req_id in msg["req_ids"]:
+                    eng.abort(req_id, notify=False)
+            elif op == "stop":
+                self.stopping = True
+
+
+def warmup(engine: LLMEngine, config: Config) -> None:
+    """Run a few requests through every code path once before serving (USE_WARMUP=1)."""
+    vocab = engine.runner.vocab_size
+    n = max(1, min(64, engine.max_model_len // 4))
+    for i in range(min(4, config.batch_size)):
+        ids = [(7 * i + k) % vocab for k in range(n)]
+        engine.add_request(
+            f"warmup-{i}", ids, SamplingParams(max_tokens=8, temperature=0.0 if i % 2 else 0.8, ignore_eos=True)
+        )
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main() -> None:
+    _die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from llmserve.engine.loader import load_model
+
+    config = Config.from_env()
+    t0 = time.monotonic()
+    runner, _ = load_model(config)
+    engine = LLMEngine(config, runner)  # no tokenizer: text is the server's work
+    if config.use_warmup:
+        t1 = time.monotonic()
+        warmup(engine, config)
+        log.info("warm-up done in %.1f s", time.monotonic() - t1)
+    log.info("engine core ready in %.1f s (overlapped steps: %s)", time.monotonic() - t0, engine.overlap)
+    sock = zmq.Context.instance().socket(zmq.PAIR)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(sys.argv[1])
+    limits = {"vocab_size": runner.vocab_size, "max_model_len": engine.max_model_len}
+    sock.send(dumps({"op": "ready", "capacity_tokens": engine.capacity_tokens, **limits}))
+    core = EngineCore(engine, sock)
+    signal.signal(signal.SIGTERM, lambda *_: setattr(core, "stopping", True))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the server stops us
+    core.serve()
+    sock.close(0)
+    engine.shutdown()
+
+
+if __name__ == "__main__":
+    main()

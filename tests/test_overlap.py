@@ -1,0 +1,126 @@
+"""Overlapped scheduling (step N+1 launched before step N's tokens are taken in) against the serial loop.
+
+The torch runner launches the same way on CPU as on CUDA, so these run the real overlap logic: PENDING
+inputs filled from the last step's tokens, penalty counts kept on the device, lengths and stops applied
+to tokens that arrive one step late, and blocks of requests that end while a step is in flight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from llmserve.config import Config
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.sampling_params import SamplingParams
+from tests.test_torch_runner import tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    tiny_checkpoint(path, "llama", seed=random.randrange(1 << 16))
+    return path
+
+
+def make_engine(path, overlap: bool, **overrides) -> LLMEngine:
+    from llmserve.runners.torch.runner import TorchRunner
+
+    kw = dict(block_size=4, max_seq_len=256, batch_size=8, block_bs=4, max_num_batched_tokens=40)
+    kw.update(overrides)
+    cfg = Config(overlap_scheduling=overlap, **kw)
+    engine = LLMEngine(cfg, TorchRunner(str(path), cfg))
+    assert engine.overlap == overlap
+    return engine
+
+
+def workload(seed: int) -> list[tuple[str, list[int], SamplingParams]]:
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(12):
+        p = SamplingParams(
+            max_tokens=int(rng.integers(3, 30)),
+            temperature=[0.0, 0.8, 1.3][i % 3],
+            top_p=[1.0, 0.9][i % 2],
+            top_k=[0, 20][(i // 2) % 2],
+            seed=int(rng.integers(0, 1 << 30)) if i % 3 else None,
+            repetition_penalty=[1.0, 1.3][(i // 3) % 2],
+            frequency_penalty=[0.0, 0.5][(i // 4) % 2],
+            stop_token_ids=[int(rng.integers(0, 256))] if i % 4 == 1 else [],
+            min_tokens=int(rng.integers(0, 3)),
+        )
+        out.append((f"r{i}", rng.integers(0, 256, size=int(rng.integers(1, 60))).tolist(), p))
+    return out
+
+
+def run(engine: LLMEngine, reqs, arrive_every: int = 2) -> dict[str, tuple[list[int], str]]:
+    """Requests join a few steps apart; returns req_id -> (tokens, finish reason)."""
+    got: dict[str, list[int]] = {}
+    reasons: dict[str, str] = {}
+    queue = list(reqs)
+    steps = 0
+    while queue or engine.has_unfinished():
+        if queue and steps % arrive_every == 0:
+            rid, ids, p = queue.pop(0)
+            engine.add_request(rid, ids, dataclasses.replace(p))
+        for out in engine.step():
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+            if out.finished:
+                reasons[out.req_id] = out.finish_reason
+        steps += 1
+        assert steps < 5000
+    assert engine.block_manager.num_used == 0
+    return {r: (got.get(r, []), reasons[r]) for r in reasons}
+
+
+def test_overlapped_steps_give_the_serial_tokens(checkpoint):
+    seed = random.randrange(1 << 20)
+    reqs = workload(seed)
+    serial = run(make_engine(checkpoint, overlap=False), reqs)
+    overlapped = run(make_engine(checkpoint, overlap=True), reqs)
+    assert overlapped == serial, f"seed {seed}"
+    for rid, _ids, p in reqs:  # lengths and stop ids were applied exactly
+        tokens, reason = serial[rid]
+        assert len(tokens) <= p.max_tokens
+        if reason == "length":
+            assert len(tokens) == p.max_tokens
+        for t in tokens[:-1]:
+            assert t not in p.stop_token_ids or len(tokens) - 1 < p.min_tokens
+
+
+def test_overlap_with_preemption_gives_the_serial_tokens(checkpoint):
+    """A cache too small for all requests at once: requests are preempted (some with a token in flight)."""
+    reqs = [(r, ids, dataclasses.replace(p, max_tokens=40, min_tokens=40)) for r, ids, p in workload(7)[:8]]
+    small = dict(block_bs=1, batch_size=8)
+    serial_engine = make_engine(checkpoint, overlap=False, **small)
+    serial = run(serial_engine, reqs, arrive_every=1)
+    overlapped_engine = make_engine(checkpoint, overlap=True, **small)
+    overlapped = run(overlapped_engine, reqs, arrive_every=1)
+    assert overlapped == serial
+    assert all(len(t) == 40 for t, _ in overlapped.values())
+    assert serial_engine.stats().preemptions > 0 and overlapped_engine.stats().preemptions > 0
+
+
+def test_abort_during_an_inflight_step_frees_every_block(checkpoint):
+    engine = make_engine(checkpoint, overlap=True)
+    for i in range(6):
+        engine.add_request(f"a{i}", list(range(1 + i, 30 + i)), SamplingParams(max_tokens=50, min_tokens=50))
+    for _ in range(12):
+        engine.step()
+    assert engine._inflight is not None  # a step is launched and not taken in
+    for i in range(0, 6, 2):
+        assert engine.abort(f"a{i}")
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    aborted = {o.req_id for o in outs if o.finish_reason == "abort"}
+    assert aborted == {"a0", "a2", "a4"}
+    # nothing came for an aborted request after its abort output
+    for rid in aborted:
+        rest = [o for o in outs if o.req_id == rid]
+        assert rest[-1].finished and all(not o.new_token_ids for o in rest if o.finish_reason == "abort")
+    assert engine.block_manager.num_used == 0
+    assert not engine.requests
