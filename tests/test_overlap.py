@@ -16,6 +16,7 @@ import pytest
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.sampling_params import SamplingParams
+from tests.test_deploy import tiny_hf_dir  # noqa: F401 (a fixture)
 from tests.test_torch_runner import tiny_checkpoint
 
 
@@ -124,3 +125,67 @@ def test_abort_during_an_inflight_step_frees_every_block(checkpoint):
         assert rest[-1].finished and all(not o.new_token_ids for o in rest if o.finish_reason == "abort")
     assert engine.block_manager.num_used == 0
     assert not engine.requests
+
+
+def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_dir):
+    """The served path (engine server + core process, overlapped torch runner): a stop string ends the
+    request at the token that completes it and max_dec_len at its length; nothing from the step that
+    was already in flight leaks into the output, the usage or the text."""
+    import json
+    import time
+
+    from llmserve.engine.llm import LLM
+    from llmserve.serving.engine_server import start
+    from llmserve.serving.ipc import dumps, endpoint, loads
+    from llmserve.serving.testing import free_ports
+    from tests.test_engine import dealer
+
+    llm = LLM(str(tiny_hf_dir), Config(block_size=4, max_seq_len=256, batch_size=8, block_bs=4))
+    assert llm.engine.overlap
+    prompts = ["def f(x):", "import os", "class A:", "for i in"]
+    free = llm.generate(prompts, SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True))
+    cases = []  # (prompt, stop string, tokens up to the stop string, text before it)
+    for p, r in zip(prompts, free):
+        for k in range(3, 20):  # the first token whose text starts a stop string not seen before it
+            head, stop = llm.tokenizer.decode(r.token_ids[:k]), llm.tokenizer.decode(r.token_ids[k : k + 2])
+            if stop.strip() and stop not in head + stop[:-1] and head + stop == r.text[: len(head + stop)]:
+                cases.append((p, stop, k + 2, head))
+                break
+    assert cases
+    # What the serial loop gives with each stop string: the served, overlapped path must give the same.
+    serial = LLM(str(tiny_hf_dir), Config(block_size=4, max_seq_len=256, batch_size=8, overlap_scheduling=False))
+    want = serial.generate(
+        [p for p, *_ in cases],
+        [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]) for _, stop, *_ in cases],
+    )
+    for w, (_, stop, n, head) in zip(want, cases):
+        assert w.finish_reason == "stop" and w.text == head and len(w.token_ids) >= n
+    port = free_ports(1)[0]
+    server = start(Config.from_env({}, model_dir=str(tiny_hf_dir), inter_proc_port=port, block_size=4, max_seq_len=256))
+    server.sock.bind(endpoint(port))
+    client = dealer(port, b"c")
+    try:
+        for i, (p, stop, _, _) in enumerate(cases):
+            body = {"text": p, "req_id": f"s{i}", "max_dec_len": 24, "top_k": 1, "stop": stop, "return_usage": True}
+            client.send(dumps({"op": "add", "req_id": f"s{i}", "body": json.dumps(body | {"eos_token_ids": []})}))
+        body = {"text": prompts[0], "req_id": "len", "max_dec_len": 7, "min_dec_len": 7, "top_k": 1, "return_usage": True}
+        client.send(dumps({"op": "add", "req_id": "len", "body": json.dumps(body)}))
+        items: list[dict] = []
+        deadline = time.monotonic() + 120
+        while sum(i["is_end"] for i in items) < len(cases) + 1:
+            assert time.monotonic() < deadline
+            server.run_once(20)
+            while client.poll(0):
+                items += loads(client.recv()).get("items", [])
+    finally:
+        client.close(0)
+        server._shutdown()
+    for i, w in enumerate(want):
+        mine = [x for x in items if x["req_id"] == f"s{i}"]
+        final = mine[-1]
+        assert final["error_code"] == 0 and final["finish_reason"] == "stop", final
+        assert final["tokens_all"] == w.text and "".join(x["token"] for x in mine) == w.text
+        assert [t for x in mine for t in x["token_ids"]] == w.token_ids
+        assert final["usage"]["completion_tokens"] == len(w.token_ids)
+    final = [x for x in items if x["req_id"] == "len"][-1]
+    assert final["finish_reason"] == "length" and final["usage"]["completion_tokens"] == 7

@@ -17,8 +17,9 @@ core -> server
   {"op": "ready", "vocab_size", "max_model_len", "capacity_tokens"}    once, when loaded
   {"op": "step", "outs": [[req_id, token_ids, finish_reason | None, num_cached_tokens,
                            logprobs | None, error | None], ...],
-   "kv": [running, waiting, kv_blocks_used, kv_blocks_total]}          per step, and after taking
-                                                                       in messages when idle
+   "kv": [running, waiting, kv_blocks_used, kv_blocks_total],
+   "adds": int}                    per step, and after taking in messages when idle; `adds`
+                                   counts the add messages taken in so far
   {"op": "reject", "req_id", "msg", "duplicate": bool}                 an add the engine refused
 
 The core dies with its server (PR_SET_PDEATHSIG), so a killed server leaves no core behind.
@@ -58,6 +59,7 @@ class EngineCore:
         self.engine = engine
         self.sock = sock
         self.stopping = False
+        self.adds = 0  # add messages taken in so far (the server's queue bound counts those in transit)
 
     def serve(self) -> None:
         eng = self.engine
@@ -68,7 +70,8 @@ class EngineCore:
             if outs or took or eng.has_unfinished():  # every step reports: it is the server's sign of progress
                 bm, sch = eng.block_manager, eng.scheduler
                 kv = [len(sch.running), len(sch.waiting), bm.num_used, bm.num_blocks]
-                self.sock.send(dumps({"op": "step", "outs": [encode(o) for o in outs], "kv": kv}))
+                msg = {"op": "step", "outs": [encode(o) for o in outs], "kv": kv, "adds": self.adds}
+                self.sock.send(dumps(msg))
             elif os.getppid() != parent:  # the server is gone (belt and braces beside PDEATHSIG)
                 break
 
@@ -83,6 +86,7 @@ class EngineCore:
             took = True
             op = msg["op"]
             if op == "add":
+                self.adds += 1
                 try:
                     eng.add_request(msg["req_id"], msg["ids"], SamplingParams(**msg["params"]), msg["arrival"])
                 except ValueError as e:

@@ -120,7 +120,7 @@ class EngineServer:
         self.monitors: set[bytes] = set()
         self.outbox: dict[bytes, list[dict]] = {}
         self.kv = [0, 0, 0, 0]  # the core's last [running, waiting, kv_blocks_used, kv_blocks_total]
-        self.added_since_kv = 0  # adds sent to the core since its last report (queue bound)
+        self.adds_sent = self.core_adds = 0  # adds sent to the core / taken in by it (its last report)
         self.last_progress = time.monotonic()  # the core's last step, or when it last got work
         # Metric deltas since the last stats message.
         self.d_prompt = self.d_gen = 0
@@ -206,7 +206,7 @@ class EngineServer:
                 raise NativeError(native.NOT_READY, "the server is shutting down: not taking new requests")
             if req_id in self.live:
                 raise NativeError(native.DUPLICATE, f"req_id {req_id!r} is already in flight")
-            queued = self.kv[1] + self.added_since_kv
+            queued = self.kv[1] + self.adds_sent - self.core_adds  # waiting in the core, or on the way there
             if queued >= self.cfg.max_cached_task_num:
                 raise NativeError(
                     native.QUEUE_FULL, f"the queue is full (MAX_CACHED_TASK_NUM={self.cfg.max_cached_task_num})"
@@ -242,7 +242,7 @@ class EngineServer:
             self.last_progress = now  # the core was idle: its work starts now
         self.next_core_id += 1
         self.core.sock.send(msg)
-        self.added_since_kv += 1
+        self.adds_sent += 1
         lv = Live(client, req, core_id, TextState(params, self.tokenizer), len(ids), now, now + req.timeout)
         self.live[req_id] = self.by_core_id[core_id] = lv
         self.d_prompt += len(ids)
@@ -273,7 +273,7 @@ class EngineServer:
             op = msg["op"]
             if op == "step":
                 self.last_progress = time.monotonic()
-                self.kv, self.added_since_kv = msg["kv"], 0
+                self.kv, self.core_adds = msg["kv"], msg["adds"]
                 self._on_outputs(msg["outs"])
             elif op == "reject":
                 lv = self.by_core_id.get(msg["req_id"])
