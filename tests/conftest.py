@@ -41,3 +41,17 @@ def demo_dir() -> str:
         check=True,
     )
     return r.stdout.strip().splitlines()[-1]
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory) -> Path:
+    """A random tiny Llama HF checkpoint (sharded safetensors + index) with a byte-level BPE tokenizer."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    from llmserve.models.demo_tokenizer import train_demo_tokenizer
+    from llmserve.runners.torch.random_model import SHAPES, write_random_checkpoint
+
+    path = tmp_path_factory.mktemp("tiny-hf")
+    write_random_checkpoint(path, "tiny", device="cpu", dtype=torch.float32, max_positions=256)
+    train_demo_tokenizer(path, vocab_size=SHAPES["tiny"]["vocab_size"])
+    return path

@@ -36,20 +36,6 @@ print(json.dumps({"runner": type(llm.engine.runner).__name__, "tokens": [len(r.t
 """
 
 
-@pytest.fixture(scope="module")
-def tiny_hf_dir(tmp_path_factory) -> Path:
-    """A random tiny Llama HF checkpoint (sharded safetensors + index) with a byte-level BPE tokenizer."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("safetensors")
-    from llmserve.models.demo_tokenizer import train_demo_tokenizer
-    from llmserve.runners.torch.random_model import SHAPES, write_random_checkpoint
-
-    path = tmp_path_factory.mktemp("tiny-hf")
-    write_random_checkpoint(path, "tiny", device="cpu", dtype=torch.float32, max_positions=256)
-    train_demo_tokenizer(path, vocab_size=SHAPES["tiny"]["vocab_size"])
-    return path
-
-
 def test_torch_path_imports_no_paddle(tiny_hf_dir):
     env = dict(
         os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT / "server"), os.environ.get("PYTHONPATH")) if p)

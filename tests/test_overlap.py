@@ -16,7 +16,6 @@ import pytest
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.sampling_params import SamplingParams
-from tests.test_deploy import tiny_hf_dir  # noqa: F401 (a fixture)
 from tests.test_torch_runner import tiny_checkpoint
 
 
@@ -158,7 +157,7 @@ def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_
         [p for p, *_ in cases],
         [SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, stop=[stop]) for _, stop, *_ in cases],
     )
-    for w, (_, stop, n, head) in zip(want, cases):
+    for w, (_, _stop, n, head) in zip(want, cases):
         assert w.finish_reason == "stop" and w.text == head and len(w.token_ids) >= n
     port = free_ports(1)[0]
     server = start(Config.from_env({}, model_dir=str(tiny_hf_dir), inter_proc_port=port, block_size=4, max_seq_len=256))
@@ -168,7 +167,14 @@ def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_
         for i, (p, stop, _, _) in enumerate(cases):
             body = {"text": p, "req_id": f"s{i}", "max_dec_len": 24, "top_k": 1, "stop": stop, "return_usage": True}
             client.send(dumps({"op": "add", "req_id": f"s{i}", "body": json.dumps(body | {"eos_token_ids": []})}))
-        body = {"text": prompts[0], "req_id": "len", "max_dec_len": 7, "min_dec_len": 7, "top_k": 1, "return_usage": True}
+        body = {
+            "text": prompts[0],
+            "req_id": "len",
+            "max_dec_len": 7,
+            "min_dec_len": 7,
+            "top_k": 1,
+            "return_usage": True,
+        }
         client.send(dumps({"op": "add", "req_id": "len", "body": json.dumps(body)}))
         items: list[dict] = []
         deadline = time.monotonic() + 120
