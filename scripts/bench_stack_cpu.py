@@ -68,19 +68,6 @@ def running_stack(work_dir: Path, **env) -> Iterator[testing.ServingStack]:
         stack.stop()
 
 
-def proc_table() -> dict[int, tuple[int, int]]:
-    """pid -> (ppid, utime + stime in clock ticks) of every live process."""
-    out = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(") ", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if fields[0] != "Z":
-            out[int(stat.parent.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
-    return out
-
-
 def cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
@@ -98,7 +85,7 @@ def classify(pid: int, root: int, parent_layer: str) -> str:
 
 def stack_processes(root: int) -> dict[int, dict]:
     """The supervisor and its descendants: pid -> {layer, cmd, ticks}."""
-    table, procs, frontier = proc_table(), {}, [(root, "")]
+    table, procs, frontier = testing.proc_stats(), {}, [(root, "")]
     while frontier:
         pid, parent_layer = frontier.pop()
         if pid not in table:

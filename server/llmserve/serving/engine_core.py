@@ -23,6 +23,7 @@ core -> server
   {"op": "reject", "req_id", "msg", "duplicate": bool}                 an add the engine refused
 
 The core dies with its server (PR_SET_PDEATHSIG), so a killed server leaves no core behind.
+`CoreLink` is the server's side: it spawns the core and holds the socket.
 
 Run: `python -m llmserve.serving.engine_core ENDPOINT` (the engine server does).
 """
@@ -33,6 +34,7 @@ import ctypes
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -42,11 +44,52 @@ from llmserve.config import Config
 from llmserve.engine.llm_engine import DuplicateRequestError, LLMEngine
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.serving.ipc import dumps, loads
+from llmserve.serving.ipc import dumps, endpoint, loads
 
 log = logging.getLogger("llmserve.engine_core")
 
 IDLE_POLL_MS = 100
+CORE_START_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing CUDA graphs takes minutes
+
+
+class CoreLink:
+    """The engine core process and its PAIR socket."""
+
+    def __init__(self, ctx: zmq.Context, env: dict[str, str] | None = None) -> None:
+        self.sock = ctx.socket(zmq.PAIR)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
+        argv = [sys.executable, "-m", "llmserve.serving.engine_core", endpoint(port)]
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
+        self.info: dict = {}
+
+    def wait_ready(self, timeout: float = CORE_START_TIMEOUT_S) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.sock.poll(200):
+                msg = loads(self.sock.recv())
+                if msg["op"] == "ready":
+                    self.info = msg
+                    return msg
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the engine core exited while loading (code {self.proc.returncode})")
+        raise RuntimeError(f"the engine core was not ready within {timeout:.0f} s")
+
+    def send(self, msg: dict) -> None:
+        self.sock.send(dumps(msg))
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self) -> None:
+        if self.alive():
+            try:
+                self.send({"op": "stop"})
+                self.proc.wait(10)
+            except (zmq.ZMQError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+        self.sock.close(0)
 
 
 def encode(out: RequestOutput) -> list:

@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import os
 import signal
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -39,11 +38,10 @@ from llmserve.config import Config
 from llmserve.engine.output_processor import TextState
 from llmserve.protocol import native
 from llmserve.protocol.native import NativeError
+from llmserve.serving.engine_core import CoreLink
 from llmserve.serving.ipc import HEARTBEAT_S, dumps, endpoint, loads
 
 log = logging.getLogger("llmserve.engine_server")
-
-CORE_START_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing CUDA graphs takes minutes
 
 
 @dataclass
@@ -62,46 +60,6 @@ class Live:
     token_ids: list[int] = field(default_factory=list)  # without streaming only (sent at the end)
     logprobs: list[dict] = field(default_factory=list)  # the same, when asked: one entry per token
     first_token_time: float | None = None
-
-
-class CoreLink:
-    """The engine core process and its PAIR socket."""
-
-    def __init__(self, ctx: zmq.Context, env: dict[str, str] | None = None) -> None:
-        self.sock = ctx.socket(zmq.PAIR)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        port = self.sock.bind_to_random_port("tcp://127.0.0.1")
-        argv = [sys.executable, "-m", "llmserve.serving.engine_core", endpoint(port)]
-        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.DEVNULL)
-        self.info: dict = {}
-
-    def wait_ready(self, timeout: float = CORE_START_TIMEOUT_S) -> dict:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.sock.poll(200):
-                msg = loads(self.sock.recv())
-                if msg["op"] == "ready":
-                    self.info = msg
-                    return msg
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"the engine core exited while loading (code {self.proc.returncode})")
-        raise RuntimeError(f"the engine core was not ready within {timeout:.0f} s")
-
-    def send(self, msg: dict) -> None:
-        self.sock.send(dumps(msg))
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def close(self) -> None:
-        if self.alive():
-            try:
-                self.send({"op": "stop"})
-                self.proc.wait(10)
-            except (zmq.ZMQError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.sock.close(0)
 
 
 class EngineServer:

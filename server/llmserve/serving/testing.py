@@ -150,7 +150,8 @@ def http_stack(work_dir: Path, **env) -> ServingStack:
     return stack
 
 
-def _ppid_map() -> dict[int, int]:
+def proc_stats() -> dict[int, tuple[int, int]]:
+    """pid -> (ppid, utime + stime in clock ticks) of every live (not zombie) process."""
     out = {}
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
@@ -158,8 +159,12 @@ def _ppid_map() -> dict[int, int]:
         except (OSError, IndexError):
             continue
         if fields[0] != "Z":
-            out[int(stat.parent.name)] = int(fields[1])
+            out[int(stat.parent.name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))
     return out
+
+
+def _ppid_map() -> dict[int, int]:
+    return {pid: ppid for pid, (ppid, _) in proc_stats().items()}
 
 
 def process_tree(root: int) -> list[int]:
