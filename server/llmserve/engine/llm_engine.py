@@ -41,8 +41,9 @@ class EngineStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     preemptions: int
-    # Cumulative seconds: whole steps; scheduling; runner.execute (of which the model
-    # run and sampling); output processing (stop checks, detokenizing).
+    # Cumulative seconds: whole steps; scheduling and launching (runner.submit); waiting for a
+    # step's result (runner.result); the model run and sampling (device time, measured by the
+    # runner); output processing (stop checks, detokenizing).
     step_time: float
     schedule_time: float
     execute_time: float
