@@ -240,8 +240,11 @@ def test_soak_mixed_requests(stack):
     by_result: Counter = Counter()
     for key, n in outcomes.items():
         by_result[key.split(":")[1]] += n
-    # The share that completes depends on the machine's speed against the queue limit (573 of 1,200 seen on a loaded CI box).
-    assert by_result["ok"] > N_REQUESTS // 4 and by_result["429"] > 0 and by_result["408"] > 0, by_result
+    # The share that completes depends on the machine's speed against the queue limit, and on how soon a
+    # turned-away client is back: the engine server answers 429 at once, also while the engine core runs a
+    # step (before the split it answered between steps), so those clients take more of the fixed request
+    # list (573 of 1,200 completed on a loaded CI box then; 258-358 since).
+    assert by_result["ok"] > N_REQUESTS // 8 and by_result["429"] > 0 and by_result["408"] > 0, by_result
     assert by_result["cancelled"] > 0
     assert after_gauges == dict.fromkeys(GAUGES, 0.0)
     for key, slack in BOUND.items():
