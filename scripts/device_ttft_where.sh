@@ -3,20 +3,14 @@
 # client's per-request timings (--save-requests) and the engine server's own TTFT histogram (arrival at the
 # engine server to its first token there) scraped before and after. Run after device_stack_bench.sh on the
 # GPU box (it reuses its model and carried packages).
-set -uo pipefail
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$REPO"
-OUT="${OUT:-/tmp/llmserve-ttft-where}"
-mkdir -p "$OUT"
-export PYTHONPATH="$REPO/server:${SITE:-/tmp/site}" LLMSERVE_TRITON_STUB_PYTHONPATH="${STUB_SITE:-/tmp/stub-site}"
-export MODEL_DIR="${MODEL_DIR:-/dev/shm/llmserve-random-v3-llama3-8b}" BATCH_SIZE=256 MAX_CACHED_TASK_NUM=2048
-export SERVICE_HTTP_PORT=-1 LOG_DIR=/tmp/llmserve-ttft-where/log METRICS_HTTP_PORT=8722
-timeout 300 ./start_server.sh >"$OUT/start.log" 2>&1 || { tail -20 "$OUT/start.log"; exit 1; }
+PROBE=ttft-where
+# shellcheck source=device_probe_env.sh
+source "$(dirname "${BASH_SOURCE[0]}")/device_probe_env.sh"
+export METRICS_HTTP_PORT=8722
+start_stack
 scrape() { python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8722/metrics').read().decode())" | grep '^llmserve_time_to_first_token_seconds' >"$OUT/$1.prom"; }
 sleep 1; scrape before
-timeout 240 python3 -m llmserve.cli bench --backend triton-grpc --model "$MODEL_DIR" --workload random \
-  --input-len 512 --output-len 256 --range-ratio 0 --temperature 0 --num-prompts 1024 --max-concurrency 256 \
-  --seed 21 --num-warmups 8 --save-requests --no-plots --no-progress --out-dir "$OUT" --result-name client >"$OUT/bench.log" 2>&1
+bench_grpc client 1024 256 21 --num-warmups 8 --save-requests
 sleep 1.5; scrape after
 timeout 60 ./stop_server.sh >/dev/null 2>&1
 python3 - "$OUT" <<'PY'

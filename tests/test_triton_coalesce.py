@@ -411,19 +411,10 @@ def test_adapter_fails_requests_when_the_engine_goes_silent(wired):
 # ---- the real stack: a stopped stub, then its backlog ------------------------------------------
 tritonclient = pytest.importorskip("tritonclient.grpc")
 from llmserve.serving.supervisor import STUB, stub_state  # noqa: E402
-from llmserve.triton.client import TritonStream  # noqa: E402
+from llmserve.triton.client import TritonStream, collect  # noqa: E402
 
 N_TOKENS = 200
 WORDS = "river stone quiet lamp orbit maple signal harbor velvet echo copper meadow lantern drift".split()
-
-
-def _collect(q, timeout: float = 120) -> list[dict]:
-    msgs = []
-    while True:
-        m = q.get(timeout=timeout)
-        msgs.append(m)
-        if m.get("is_end"):
-            return msgs
 
 
 def _engine_alone(port: int, body: dict, timeout: float = 120) -> list[int]:
@@ -474,7 +465,7 @@ def test_stopped_stub_catches_up_with_merged_responses(tmp_path, demo_dir):
             assert stub_state(triton) == "alive"  # stopped is not dead: the supervisor leaves Triton be
         finally:
             os.kill(stub, signal.SIGCONT)
-        streams = [[m, *_collect(q)] for m, q in zip(firsts, queues)]
+        streams = [[m, *collect(q, timeout=120)] for m, q in zip(firsts, queues)]
         n_msgs = n_toks = 0
         for msgs in streams:
             assert all(m["error_code"] == 0 for m in msgs), msgs[-1]

@@ -15,17 +15,9 @@ from llmserve.serving.control import _group_members
 from llmserve.serving.testing import PORT_VARS, ServingStack, port_is_free
 
 pytest.importorskip("tritonclient.grpc")
-from llmserve.triton.client import TritonStream  # noqa: E402
+from llmserve.triton.client import TritonStream, collect  # noqa: E402
 
 CYCLES = int(os.environ.get("LLMSERVE_TEST_CYCLES", "10"))  # the issue asks for ten in a row
-
-
-def collect(q, timeout: float = 60) -> list[dict]:
-    msgs = []
-    while True:
-        msgs.append(q.get(timeout=timeout))
-        if msgs[-1].get("is_end"):
-            return msgs
 
 
 def assert_nothing_left(stack: ServingStack, pid: int) -> None:

@@ -22,7 +22,7 @@ from llmserve.serving.supervisor import STUB
 from llmserve.serving.testing import ServingStack, process_tree
 
 tritonclient = pytest.importorskip("tritonclient.grpc")
-from llmserve.triton.client import TritonStream  # noqa: E402
+from llmserve.triton.client import TritonStream, collect  # noqa: E402
 
 MAX_SEQ_LEN, MAX_DEC_LEN = 4096, 2048
 WORDS = "river stone quiet lamp orbit maple signal harbor velvet echo copper meadow lantern drift cobalt ember".split()
@@ -52,15 +52,6 @@ def client(stack):
     c = TritonStream(stack.grpc_url)
     yield c
     c.close()
-
-
-def collect(q, timeout: float = 60) -> list[dict]:
-    msgs = []
-    while True:
-        m = q.get(timeout=timeout)
-        msgs.append(m)
-        if m.get("is_end"):
-            return msgs
 
 
 def offline_greedy(model_dir: str, prompts: list[str], max_tokens: int) -> list[dict]:

@@ -122,8 +122,7 @@ class LLMEngine:
             req.arrival_time = arrival_time
         self.requests[req_id] = req
         self._prompt_tokens += n
-        if self.tokenizer is not None:
-            self._text[req_id] = TextState(params, self.tokenizer)
+        self._text[req_id] = TextState(params, self.tokenizer)  # no text without a tokenizer
         self.scheduler.add(req)
         return req
 
@@ -192,17 +191,16 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
                 out.ttft = now - req.arrival_time
+            text = self._text[req.req_id]
             reason = check_stop_token(req, token, self.max_model_len)
-            text = self._text.get(req.req_id)
-            if text is not None:
-                reason = text.append([token]) or reason
+            reason = text.append([token]) or reason
             if reason is not None:
                 req.finish_reason = reason
                 final = self._finish(req)
                 final.new_token_ids, final.logprobs, final.ttft = out.new_token_ids, out.logprobs, out.ttft
                 out = final
             else:
-                out.new_text = text.flush_text(finished=False) if text is not None else ""
+                out.new_text = text.flush_text(finished=False)
                 out.num_output_tokens = len(req.output_token_ids)
                 out.num_cached_tokens = req.num_cached_tokens
             outputs.append(out)
@@ -213,11 +211,11 @@ class LLMEngine:
     def _finish(self, req: Request) -> RequestOutput:
         self.scheduler.remove(req)
         self.requests.pop(req.req_id, None)
-        text = self._text.pop(req.req_id, None)
+        text = self._text.pop(req.req_id)
         self._left.append(req.req_id)
         return RequestOutput(
             req.req_id,
-            new_text=text.flush_text(finished=True) if text is not None else "",
+            new_text=text.flush_text(finished=True),
             finished=True,
             finish_reason=req.finish_reason.value if req.finish_reason else None,
             num_prompt_tokens=req.num_prompt_tokens,

@@ -72,6 +72,15 @@ class TritonStream:
         self.client.close()
 
 
+def collect(q: queue.Queue, timeout: float = 60) -> list[dict]:
+    """Every message of one submitted request, up to and including the one with `is_end`."""
+    msgs = []
+    while True:
+        msgs.append(q.get(timeout=timeout))
+        if msgs[-1].get("is_end"):
+            return msgs
+
+
 def stream_generate(url: str, body: dict, timeout: float = 600) -> Iterator[dict]:
     s = TritonStream(url)
     try:

@@ -109,7 +109,6 @@ class Uploader:
 
     def __init__(self, device: torch.device, capacity: int = 1 << 20) -> None:
         self.device = device
-        self.pinned = device.type == "cuda"
         self.staging = PinnedStaging(device, capacity)
 
     def upload(self, sections: list[np.ndarray], out: torch.Tensor | None = None) -> list[torch.Tensor]:
