@@ -261,8 +261,9 @@ def test_engine_server_aborts_the_requests_of_a_client_that_is_gone(engine_serve
         old.close(0)  # the process died: its connection closes
         pump(server, lambda: set(server.live) == {"n1"})  # noticed at a send (a step's items, a heartbeat)
         assert server.cancelled == 2
-        pump(server, lambda: not server.live and server.kv[2] == 0, timeout=120)  # n1 ran to its end
-        got = sum(len(i["token_ids"]) for i in received(new, items))
+        pump(server, lambda: any(i["is_end"] for i in received(new, items)), timeout=120)  # n1 ran to its end
+        pump(server, lambda: not server.live and server.kv[2] == 0)
+        got = sum(len(i["token_ids"]) for i in items)
         assert got == 200 and not server.gone
     finally:
         for c in (old, new):
