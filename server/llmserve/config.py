@@ -73,13 +73,25 @@ class Config:
         "DISTRIBUTED_CONFIG", "", _str, doc="rank mapping (default MODEL_DIR/rank_mapping.csv)"
     )
     use_hf_tokenizer: bool = _setting("USE_HF_TOKENIZER", False, _bool, doc="load the tokenizer through transformers")
+    served_model_name: str = _setting(
+        "SERVED_MODEL_NAME", "", _str, doc="the OpenAI `model` name (default: MODEL_DIR's name; `default` always works)"
+    )
     runner: str = _setting("LLMSERVE_RUNNER", "auto", _str, doc="auto | paddle | torch")
     device: str = _setting("LLMSERVE_DEVICE", "auto", _str, doc="auto | cpu | cuda")
+    cache_dir: str = _setting(
+        "LLMSERVE_CACHE_DIR", "", _str, doc="demo model, Triton backends (default ~/.cache/llmserve)"
+    )
     # ports
     health_http_port: int = _setting("HEALTH_HTTP_PORT", 8110, _port, "HTTP_PORT", doc="health probes")
     service_grpc_port: int = _setting("SERVICE_GRPC_PORT", 8811, _port, "GRPC_PORT", doc="Triton gRPC")
     metrics_http_port: int = _setting("METRICS_HTTP_PORT", 8722, _port, "METRICS_PORT", doc="Prometheus metrics")
-    inter_proc_port: int = _setting("INTER_PROC_PORT", 56666, _port, "INFER_QUEUE_PORT", doc="engine IPC")
+    inter_proc_port: int = _setting(
+        "INTER_PROC_PORT", 56666, _port, "INTER_QUEUE_PORT", "INFER_QUEUE_PORT", doc="engine IPC (loopback only)"
+    )
+    triton_metrics_port: int = _setting(
+        "TRITON_METRICS_PORT", 8002, _port, doc="Triton's own metrics (re-exported on METRICS_HTTP_PORT)"
+    )
+    host: str = _setting("LLMSERVE_HOST", "0.0.0.0", _str, doc="address the ports above bind to")
     service_http_port: int = _setting(
         "SERVICE_HTTP_PORT", 9965, _port, "PUSH_MODE_HTTP_PORT", doc="HTTP front end (-1: none)"
     )
@@ -131,10 +143,30 @@ class Config:
     drain_timeout: float = _setting(
         "LLMSERVE_DRAIN_TIMEOUT", 10.0, float, doc="on SIGTERM: seconds requests in flight may take to finish"
     )
+    start_timeout: float = _setting(
+        "LLMSERVE_START_TIMEOUT", 600.0, float, doc="start_server.sh: seconds to wait for ready"
+    )
+    stop_timeout: float = _setting("LLMSERVE_STOP_TIMEOUT", 30.0, float, doc="stop_server.sh: seconds to wait for exit")
     output_log_to_console: bool = _setting("OUTPUT_LOG_TO_CONSOLE", False, _bool, doc="logs to console instead of log/")
     log_dir: str = _setting("LOG_DIR", "log", _str, doc="log directory")
     api_key: str = _setting("API_KEY", "", _str, doc="require Authorization: Bearer <key> (empty: open)")
     seed: int = _setting("LLMSERVE_SEED", 0, int, doc="engine seed for requests without their own")
+    # runners and deployment
+    paddle_threads: int = _setting(
+        "LLMSERVE_PADDLE_THREADS", 0, int, doc="Paddle CPU math threads (0: the cores less one for the engine server)"
+    )
+    paddle_mkldnn: bool = _setting("LLMSERVE_PADDLE_MKLDNN", False, _bool, doc="oneDNN kernels for the Paddle runner")
+    cuda_graphs: bool = _setting("LLMSERVE_CUDA_GRAPHS", True, _bool, doc="replay decode steps as CUDA graphs")
+    torch_kernels: str = _setting(
+        "LLMSERVE_TORCH_KERNELS", "", _str, doc="`ref`: the torch reference ops instead of Triton kernels (debug)"
+    )
+    triton_stub_pythonpath: str = _setting(
+        "LLMSERVE_TRITON_STUB_PYTHONPATH", "", _str, doc="put first on the Triton stub's path (numpy<2 for its stub)"
+    )
+    tritonserver_bin: str = _setting("TRITONSERVER_BIN", "", _str, doc="a tritonserver binary (default: the wheel's)")
+    triton_backend_dir: str = _setting(
+        "TRITON_BACKEND_DIR", "", _str, doc="Triton backends directory (default: built from the wheel)"
+    )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Config:
@@ -180,6 +212,13 @@ class Config:
             errors.append(f"CHECK_HEALTH_INTERVAL={self.check_health_interval}: must be positive")
         if self.long_prefill_tokens < 0:
             errors.append(f"LONG_PREFILL_TOKENS={self.long_prefill_tokens}: must be >= 0 (0: the runner's default)")
+        if self.paddle_threads < 0:
+            errors.append(f"LLMSERVE_PADDLE_THREADS={self.paddle_threads}: must be >= 0 (0: automatic)")
+        if self.torch_kernels not in ("", "ref"):
+            errors.append(f"LLMSERVE_TORCH_KERNELS={self.torch_kernels!r}: expected empty or `ref`")
+        for name, v in (("LLMSERVE_START_TIMEOUT", self.start_timeout), ("LLMSERVE_STOP_TIMEOUT", self.stop_timeout)):
+            if not v > 0:
+                errors.append(f"{name}={v}: must be a positive number of seconds")
         if self.drain_timeout < 0:
             errors.append(f"LLMSERVE_DRAIN_TIMEOUT={self.drain_timeout}: must be >= 0")
         if errors:

@@ -31,6 +31,12 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: off; k >= 0: chosen token + top k
+    # Log-probabilities of the prompt's tokens (each given the ones before it; the first has none):
+    # None: off; k >= 0: the prompt token + top k. Such a request computes its whole prompt (no prefix cache).
+    prompt_logprobs: int | None = None
+    # Added to the logits of these token ids before any penalty, temperature or cut (OpenAI's
+    # logit_bias: -100 all but bans a token, 100 all but forces it).
+    logit_bias: dict[int, float] = field(default_factory=dict)
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
@@ -64,6 +70,13 @@ class SamplingParams:
                 bad(name, "must be finite")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             bad("logprobs", f"must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            bad("prompt_logprobs", f"must be in [0, 20], got {self.prompt_logprobs}")
+        for tok, bias in self.logit_bias.items():
+            if not (isinstance(tok, int) and tok >= 0):
+                bad("logit_bias", f"token ids must be integers >= 0, got {tok!r}")
+            if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
+                bad("logit_bias", f"biases must be in [-100, 100], got {bias!r} for token {tok}")
         if self.seed is not None and self.seed < 0:
             bad("seed", f"must be >= 0, got {self.seed}")  # numpy's generators refuse it (it killed the engine)
         if any(not s for s in self.stop):
