@@ -3,7 +3,9 @@
 # health probes and metrics; waits until ready and prints the endpoints.
 #   ./start_server.sh              serve MODEL_DIR (the demo model when none)
 #   ./start_server.sh <model_name> download <model_name> into MODEL_DIR first
-# Settings: environment variables (docs/serving.md), legacy names included.
+# Settings: environment variables (docs/serving.md; `llmserve config` prints
+# them), legacy names included. A bad one is named, exit code 2, before anything
+# starts. Each start moves the last one's logs aside (LOG_DIR/*.log -> *.log.1).
 # Stop with ./stop_server.sh.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -19,6 +21,8 @@ export PYTHONPATH="$HERE/server${PYTHONPATH:+:$PYTHONPATH}"
 
 model_name="${1:-${model_name:-}}"
 if [[ -n "$model_name" ]]; then
+  # Bad settings are named (exit code 2) before a download that could take hours.
+  "$PY" -m llmserve.serving.control check
   export MODEL_DIR="${MODEL_DIR:-/models}"
   echo "downloading $model_name into $MODEL_DIR"
   "$PY" "$HERE/download_model.py" --model_name "$model_name" --dir "$MODEL_DIR" \

@@ -1,8 +1,18 @@
-"""Settings: every variable of the configuration table, legacy aliases, one clear message per bad value."""
+"""Settings: every variable of the configuration table, legacy aliases, one clear message per bad value;
+`llmserve config` prints every one; docs/serving.md documents every one."""
+
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from llmserve.config import Config, ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
 
 TABLE = [
     ("MODEL_DIR", None), ("model_name", None), ("HEALTH_HTTP_PORT", "HTTP_PORT"), ("SERVICE_GRPC_PORT", "GRPC_PORT"),
@@ -12,8 +22,12 @@ TABLE = [
     ("BATCH_SIZE", None), ("BLOCK_BS", None), ("BLOCK_RATIO", None), ("BLOCK_SIZE", None),
     ("MAX_CACHED_TASK_NUM", None), ("DISABLE_STREAMING", None), ("USE_WARMUP", None), ("USE_HF_TOKENIZER", None),
     ("USE_CACHE_KV_INT8", None), ("FD_MODEL_CONFIG_PATH", None), ("DISTRIBUTED_CONFIG", None),
-    ("OUTPUT_LOG_TO_CONSOLE", None),
+    ("OUTPUT_LOG_TO_CONSOLE", None), ("INTER_PROC_PORT", "INTER_QUEUE_PORT"), ("SERVED_MODEL_NAME", None),
+    ("TRITON_METRICS_PORT", None), ("LLMSERVE_HOST", None), ("LLMSERVE_CACHE_DIR", None),
+    ("LLMSERVE_START_TIMEOUT", None), ("LLMSERVE_STOP_TIMEOUT", None), ("TRITONSERVER_BIN", None),
+    ("TRITON_BACKEND_DIR", None), ("LLMSERVE_TRITON_STUB_PYTHONPATH", None),
 ]  # fmt: skip
+INTERNAL = {"LLMSERVE_HTTP_PARENT_PID"}  # set by the front end for its own workers: not a setting
 
 
 def test_every_table_variable_and_alias_is_read():
@@ -63,3 +77,110 @@ def test_every_bad_value_is_named_at_once():
 def test_multi_node_and_limits_are_checked(env, named):
     with pytest.raises(ConfigError, match=named):
         Config.from_env(env=env)
+
+
+def test_inter_queue_port_is_an_alias_of_inter_proc_port():
+    assert Config.from_env(env={"INTER_QUEUE_PORT": "8813"}).inter_proc_port == 8813
+    assert Config.from_env(env={"INFER_QUEUE_PORT": "8814"}).inter_proc_port == 8814
+    assert Config.from_env(env={"INTER_PROC_PORT": "8815", "INTER_QUEUE_PORT": "8813"}).inter_proc_port == 8815
+    with pytest.raises(ConfigError, match="INTER_QUEUE_PORT='x'"):
+        Config.from_env(env={"INTER_QUEUE_PORT": "x"})
+
+
+@pytest.mark.parametrize("var", ["LLMSERVE_START_TIMEOUT", "LLMSERVE_STOP_TIMEOUT"])
+@pytest.mark.parametrize("value", ["60s", "0", "-1", "nan", ""])
+def test_bad_timeouts_are_named(var, value):
+    with pytest.raises(ConfigError) as e:
+        Config.from_env(env={var: value})
+    assert str(e.value).count(var) == 1 and "\n" not in str(e.value)
+    assert Config.from_env(env={var: "2.5"}).__getattribute__(var.removeprefix("LLMSERVE_").lower()) == 2.5
+
+
+@pytest.mark.parametrize("env,named", [({"LLMSERVE_HOST": ""}, "LLMSERVE_HOST"), ({"TRITON_METRICS_PORT": "0"}, "TRITON_METRICS_PORT"),
+                                       ({"LLMSERVE_TORCH_KERNELS": "fast"}, "LLMSERVE_TORCH_KERNELS"),
+                                       ({"CHECK_HEALTH_INTERVAL": "nan"}, "CHECK_HEALTH_INTERVAL")])  # fmt: skip
+def test_new_settings_are_checked(env, named):
+    with pytest.raises(ConfigError, match=named):
+        Config.from_env(env=env)
+
+
+def test_read_one_setting_ignores_the_others():
+    env = {"BATCH_SIZE": "many", "LLMSERVE_TORCH_KERNELS": "ref", "INTER_QUEUE_PORT": "9000"}
+    assert Config.read("torch_kernels", env) == "ref" and Config.read("inter_proc_port", env) == 9000
+    assert Config.read("triton_metrics_port", env) == 8002  # unset: the default
+    with pytest.raises(ConfigError, match="BATCH_SIZE='many'"):
+        Config.read("batch_size", env)
+
+
+def test_cache_path_and_local_host():
+    assert Config(cache_dir="/x/y").cache_path == Path("/x/y")
+    assert Config().cache_path == Path.home() / ".cache" / "llmserve"
+    assert Config().local_host == "127.0.0.1" and Config(host="10.1.2.3").local_host == "10.1.2.3"
+    assert Config(host="::").local_host == "127.0.0.1" and Config(host="::1").local_host == "[::1]"
+
+
+def run_config(**env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not any(k in (f.metadata["env"], *f.metadata["aliases"])
+                                                              for f in dataclasses.fields(Config))}  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "llmserve.cli", "config"],
+        env={**clean, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_llmserve_config_prints_every_setting_with_its_aliases_and_source():
+    r = run_config(INTER_QUEUE_PORT="8813", BATCH_SIZE="7", API_KEY="secret-key")
+    assert r.returncode == 0, r.stderr
+    lines = {line.split(" ", 1)[0]: line for line in r.stdout.splitlines()}
+    fields = dataclasses.fields(Config)
+    assert list(lines) == [f.metadata["env"] for f in fields]  # every field, once, in order
+    for f in fields:
+        line = lines[f.metadata["env"]]
+        for alias in f.metadata["aliases"]:
+            assert alias in line.split(" = ")[0], line
+        assert f.metadata["doc"] in line, line
+    assert lines["INTER_PROC_PORT"].startswith(
+        "INTER_PROC_PORT (INTER_QUEUE_PORT, INFER_QUEUE_PORT) = 8813  # set by INTER_QUEUE_PORT"
+    )
+    assert lines["BATCH_SIZE"].startswith("BATCH_SIZE = 7  # set, default 50")
+    assert lines["TRITON_METRICS_PORT"].startswith("TRITON_METRICS_PORT = 8002  # default")
+    assert "secret-key" not in r.stdout and "<set, hidden>" in lines["API_KEY"]
+
+
+def test_llmserve_config_names_a_bad_setting():
+    r = run_config(LLMSERVE_STOP_TIMEOUT="30s")
+    assert r.returncode == 2 and "LLMSERVE_STOP_TIMEOUT='30s'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_every_setting_is_documented_and_every_llmserve_variable_is_a_setting():
+    rows = {}
+    doc = (ROOT / "docs" / "serving.md").read_text()
+    table = doc[doc.index("## Settings") :].split("\n## ", 1)[0]
+    for line in table.splitlines():
+        if m := re.match(r"^\| `([^`]+)`(?:, `([^`]+)`)? \| ([^|]*)\|", line):
+            rows[m[1]] = rows[m[2] or m[1]] = m[3]
+    envs = set()
+    for f in dataclasses.fields(Config):
+        env = f.metadata["env"]
+        envs |= {env, *f.metadata["aliases"]}
+        assert env in rows, f"{env} is not in docs/serving.md's settings table"
+        for alias in f.metadata["aliases"]:
+            assert f"`{alias}`" in rows[env], f"{env}'s alias {alias} is not in docs/serving.md"
+    # Every LLMSERVE_* name the package or the scripts use is a setting of Config (or internal).
+    sources = [*(ROOT / "server").rglob("*.py"), ROOT / "start_server.sh", ROOT / "stop_server.sh"]
+    used = {n for p in sources for n in re.findall(r"LLMSERVE_[A-Z0-9_]+", p.read_text())}
+    assert used - envs - INTERNAL == set()
+
+
+def test_torch_kernels_import_despite_an_unrelated_bad_setting():
+    pytest.importorskip("torch")
+    code = "import llmserve.runners.torch.kernels as k; print(k._FORCE_REF)"
+    env = {**os.environ, "BATCH_SIZE": "many", "LLMSERVE_TORCH_KERNELS": "ref"}
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr[-2000:]
+    env["LLMSERVE_TORCH_KERNELS"] = "fast"
+    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode != 0 and "LLMSERVE_TORCH_KERNELS='fast'" in r.stderr

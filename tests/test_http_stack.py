@@ -23,10 +23,11 @@ from pathlib import Path
 import pytest
 import requests
 
+from llmserve.serving.testing import PORT_VARS as STACK_PORT_VARS
 from llmserve.serving.testing import free_ports
 
 ROOT = Path(__file__).resolve().parents[1]
-PORT_VARS = ("HEALTH_HTTP_PORT", "SERVICE_GRPC_PORT", "METRICS_HTTP_PORT", "INTER_PROC_PORT", "SERVICE_HTTP_PORT")
+PORT_VARS = (*STACK_PORT_VARS, "SERVICE_HTTP_PORT")
 
 
 def wait_http(url: str, timeout: float = 60.0, headers: dict | None = None) -> None:
@@ -317,12 +318,13 @@ def test_64_concurrent_streams(stack):
 @pytest.mark.parametrize(
     "path, body, status, field",
     [
-        ("/v1/chat/completions", {"text": "hi", "temperature": 0}, 400, "temperature"),
+        ("/v1/chat/completions", {"text": "hi", "temperature": -1}, 400, "temperature"),
+        ("/v1/chat/completions", {"text": "hi", "history": []}, 400, "history"),
         ("/v1/chat/completions", {"text": "hi", "topp": 1.5}, 400, "topp"),
         ("/v1/chat/completions", {"text": "hi", "max_dec_len": -1}, 400, "max_dec_len"),
         ("/v1/chat/completions", {"text": ""}, 400, "text"),
         ("/v1/chat/completions", {"text": "hi", "max_dec_len": 5000}, 400, "max_dec_len"),  # > MAX_DEC_LEN
-        ("/v1/chat/completions", {"input_ids": [5] * 4100}, 413, "4100"),  # > MAX_SEQ_LEN
+        ("/v1/chat/completions", {"input_ids": [5] * 4100}, 413, "4100 input tokens"),  # > MAX_SEQ_LEN
         ("/v1/completions", {"model": "m", "prompt": "x", "top_p": 0}, 400, "top_p"),
         ("/v1/completions", {"model": "m", "prompt": [], "max_tokens": 3}, 400, "prompt"),
         ("/v1/chat/completions", {"model": "m", "messages": "hi"}, 400, "messages"),
@@ -519,3 +521,148 @@ def test_logprobs_end_to_end(stack):
         e.logprob for ch in streamed if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content
     ]
     assert got == [pytest.approx(e.logprob, abs=1e-6) for e in content]
+
+
+# ---- OpenAI conformance (issue 12), on the real stack ----------------------------------------
+@pytest.fixture(scope="module")
+def demo_tokenizer(demo_dir):
+    from llmserve.engine.tokenizer import load_tokenizer
+
+    return load_tokenizer(demo_dir)
+
+
+def _client(stack):
+    import openai
+
+    return openai.Client(base_url=stack["base"] + "/v1", api_key="x", max_retries=0)
+
+
+def test_context_overflow_is_what_openai_clients_expect(stack):
+    import openai
+
+    client = _client(stack)
+    for stream in (False, True):
+        with pytest.raises(openai.BadRequestError) as e:  # the prompt fills the context (MAX_SEQ_LEN 4096)
+            client.completions.create(model="default", prompt=[7] * 4096, max_tokens=1, stream=stream)
+        err = e.value.body
+        assert err["code"] == "context_length_exceeded" and err["param"] == "prompt"
+        assert "This model's maximum context length is 4096 tokens" in err["message"], err
+        with pytest.raises(openai.BadRequestError) as e:  # prompt + max_tokens beyond it: refused, not cut short
+            client.completions.create(model="default", prompt=[7] * 4000, max_tokens=200, stream=stream)
+        assert "you requested 4200 tokens (4000 in the input, 200 in the completion)" in e.value.body["message"]
+    ok = client.completions.create(model="default", prompt=[7] * 4000, max_tokens=96, temperature=0)
+    assert ok.usage.completion_tokens <= 96
+    # The native protocol keeps its code.
+    r = requests.post(stack["base"] + "/v1/chat/completions", json={"input_ids": [7] * 4096}, timeout=30)
+    assert r.status_code == 413 and "maximum context length is 4096" in r.json()["error_msg"]
+
+
+def test_model_names(stack):
+    import openai
+
+    client = _client(stack)
+    listed = client.models.list().data[0].id
+    for name in {listed, "default"}:
+        assert client.completions.create(model=name, prompt="hi", max_tokens=2).choices[0].text is not None
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4o", prompt="hi", max_tokens=2)
+    assert e.value.body["code"] == "model_not_found" and "gpt-4o" in e.value.body["message"]
+
+
+def test_fields_are_honoured_or_refused_on_the_stack(stack):
+    import openai
+
+    client = _client(stack)
+    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    refused = [
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"stream_options": {"include_usage": True}}, "stream_options"),
+        ({"seed": 1 << 64}, "seed"),
+        ({"max_tokens": 5000}, "max_tokens"),  # MAX_DEC_LEN is 4096 here
+        ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
+        ({"logit_bias": {"999999": 5}}, "logit_bias"),  # outside the vocabulary: checked by the engine
+        ({"extra_body": {"frobnicate": True}}, "frobnicate"),
+    ]
+    for extra, param in refused:
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(**(chat | extra))
+        assert e.value.body["param"] == param and param in e.value.body["message"], (extra, e.value.body)
+        assert "max_dec_len" not in e.value.body["message"]
+    r = requests.post(
+        stack["base"] + "/v1/chat/completions",
+        data=json.dumps(chat),
+        headers={"content-type": "text/plain"},
+        timeout=10,
+    )
+    assert r.status_code == 415
+    # A negative seed is a seed like any other: the same text twice, another than seed 5's.
+    texts = [
+        client.completions.create(model="default", prompt="Once", max_tokens=12, seed=s).choices[0].text
+        for s in (-5, -5, 5)
+    ]
+    assert texts[0] == texts[1] and texts[0] != texts[2]
+
+
+def test_logit_bias_and_ignore_eos_are_honoured(stack, demo_tokenizer):
+    url = stack["base"] + "/v1/chat/completions"
+    base = {"input_ids": [11, 12, 13, 14], "temperature": 0, "max_dec_len": 6}
+    plain = requests.post(url, json=base, timeout=60).json()["token_ids"]
+    first = plain[0]
+    banned = requests.post(url, json=base | {"logit_bias": {str(first): -100}}, timeout=60).json()["token_ids"]
+    assert banned[0] != first and first not in banned
+    forced_id = (first + 17) % 500 + 3
+    forced = requests.post(url, json=base | {"logit_bias": {str(forced_id): 100}}, timeout=60).json()["token_ids"]
+    assert forced == [forced_id] * 6
+    # The end token forced: it ends the request as soon as min_tokens (1 by default) allows, unless
+    # ignore_eos (then max_tokens of it).
+    eos = demo_tokenizer.eos_token_id
+    client = _client(stack)
+    kw = {"model": "default", "prompt": [11, 12], "max_tokens": 5, "temperature": 0, "logit_bias": {str(eos): 100}}
+    r = client.completions.create(**kw)
+    assert r.usage.completion_tokens == 2 and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 5 and r.choices[0].finish_reason == "length"
+
+
+def _lp(choice) -> tuple:
+    lp = choice.logprobs
+    return lp.tokens, lp.token_logprobs, lp.top_logprobs, lp.text_offset
+
+
+def test_logprobs_conformance(stack, demo_tokenizer):
+    client = _client(stack)
+    prompt = "def fibonacci(n):"
+    n_prompt = len(demo_tokenizer.encode(prompt))
+    # echo + logprobs: the prompt's tokens first, the first with a null logprob.
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=5, echo=True, logprobs=2, temperature=0)
+    tokens, lps, tops, offsets = _lp(r.choices[0])
+    assert len(tokens) == n_prompt + r.usage.completion_tokens and lps[0] is None and tops[0] is None
+    assert all(isinstance(x, float) and x <= 0 for x in lps[1:])
+    assert r.choices[0].text.startswith(prompt) and offsets == sorted(offsets) and offsets[n_prompt] == len(prompt)
+    # logprobs=0: the chosen token alone.
+    r = client.completions.create(model="default", prompt=prompt, max_tokens=4, logprobs=0, temperature=0)
+    assert [list(t) for t in r.choices[0].logprobs.top_logprobs] == [[t] for t in r.choices[0].logprobs.tokens]
+    # Streamed and whole responses agree token for token, with sampling (seeded) and with tokens that
+    # split UTF-8 characters (a lone lead byte forced by logit_bias).
+    lead = next(i for i in range(demo_tokenizer.vocab_size) if demo_tokenizer.decode_token_bytes(i) == b"\xe4")
+    for extra in ({"seed": 3, "temperature": 1.0}, {"temperature": 0, "logit_bias": {str(lead): 4.0}}):
+        kw = {"model": "default", "prompt": prompt, "max_tokens": 24, "logprobs": 1, "echo": True} | extra
+        whole = client.completions.create(**kw).choices[0]
+        chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]
+        text = "".join(c.text for c in chunks)
+        parts = [_lp(c) for c in chunks if c.logprobs]
+        streamed = tuple(sum((list(p[k]) for p in parts), []) for k in range(4))
+        assert text == whole.text and streamed == tuple(list(x) for x in _lp(whole)), extra
+        assert all(o <= len(whole.text) for o in whole.logprobs.text_offset)
+    assert "\ufffd" in "".join(whole.logprobs.tokens)  # the forced lead bytes were generated
+
+
+def test_cached_tokens_are_reported(stack):
+    client = _client(stack)
+    prompt = [random.randrange(10, 400) for _ in range(300)]
+    first = client.completions.create(model="default", prompt=prompt, max_tokens=2)
+    again = client.completions.create(model="default", prompt=prompt, max_tokens=2)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens >= 256  # whole blocks of the same prompt

@@ -16,20 +16,37 @@ import pytest
 from starlette.testclient import TestClient
 
 from llmserve.config import Config
-from llmserve.http import tokens
 from llmserve.http.app import create_app
 
+# Engine errors the scripted backend answers when the prompt holds the key: (code, message, native field).
+SCRIPTED_ERRORS = {
+    "CTX": (
+        413,
+        "This model's maximum context length is 64 tokens. However, your request has 80 input tokens.",
+        "text",
+    ),
+    "MAXDEC": (400, "max_dec_len: 5000 exceeds MAX_DEC_LEN=1024", "max_dec_len"),
+    "VOCAB": (400, "input_ids: token id 99999 is outside the vocabulary [0, 512)", "input_ids"),
+    "MODEL": (404, "The model `nope` does not exist; this server serves `default`.", "model"),
+}
 
-class FakeTokenizer:
-    def decode(self, ids, skip_special_tokens=True):
-        return "".join(f"<{i}>" for i in ids)
 
-    def decode_token_bytes(self, i):
-        return f"<{i}>".encode()
+def entry(token_id: int, offset: int, top: list | None, logprob: float | None = -0.5) -> dict:
+    """An engine logprob entry (serving/responses.py): token i is spelled <i>."""
+    spell = f"<{token_id}>"
+    tops = None if top is None else [{"token_id": t, "token": f"<{t}>", "bytes": [], "logprob": lp} for t, lp in top]
+    return {
+        "token_id": token_id,
+        "token": spell,
+        "bytes": list(spell.encode()),
+        "logprob": logprob,
+        "text_offset": offset,
+        "top": tops,
+    }
 
 
 class ScriptedBackend:
-    """Answers like the engine: `n_tokens` items of token `t<k>`, or an error named in the prompt."""
+    """Answers like the engine: `n_tokens` items of token `t<k>` (id 100 + k), or an error named in the prompt."""
 
     def __init__(self, n_tokens: int = 4, delay: float = 0.0) -> None:
         self.n_tokens = n_tokens
@@ -51,7 +68,12 @@ class ScriptedBackend:
             code = int(prompt.split("ERR")[1][:3])
             yield {"req_id": req_id, "is_end": 1, "error_code": code, "error_msg": f"engine said {code}"}
             return
+        for key, (code, msg, param) in SCRIPTED_ERRORS.items():
+            if key in prompt:
+                yield {"req_id": req_id, "is_end": 1, "error_code": code, "error_msg": msg, "error_param": param}
+                return
         n = min(self.n_tokens, body.get("max_dec_len") or self.n_tokens)
+        ids = body.get("input_ids") or [1, 2]
         try:
             for k in range(n):
                 if self.delay:
@@ -59,9 +81,18 @@ class ScriptedBackend:
                 last = k == n - 1
                 item = {"req_id": req_id, "token": f"t{k}", "token_ids": [100 + k], "is_end": int(last)}
                 item |= {"send_idx": k, "error_code": 0, "error_msg": ""}
+                if k == 0 and body.get("echo"):
+                    item["prompt_text"] = "".join(f"<{i}>" for i in ids)
+                if k == 0 and body.get("prompt_logprobs") is not None:
+                    item["prompt_text"] = "".join(f"<{i}>" for i in ids)
+                    offsets = [sum(len(f"<{j}>") for j in ids[:m]) for m in range(len(ids))]
+                    item["prompt_logprobs"] = [
+                        entry(t, o, None, None) if m == 0 else entry(t, o, [[t, -0.5], [7, -1.5]])
+                        for m, (t, o) in enumerate(zip(ids, offsets))
+                    ]
                 if body.get("logprobs") is not None:
                     top = [[100 + k, -0.5], [7, -1.5], [8, -2.5]][: body["logprobs"]]
-                    item["logprobs"] = [{"token_id": 100 + k, "logprob": -0.5, "top": top}]
+                    item["logprobs"] = [entry(100 + k, 2 * k, top)]
                 if last:
                     item["tokens_all"] = "".join(f"t{j}" for j in range(n))
                     item["finish_reason"] = "length" if n == body.get("max_dec_len") else "stop"
@@ -79,11 +110,9 @@ def backend():
 
 @pytest.fixture
 def client(backend):
-    tokens.set_tokenizer(FakeTokenizer())
     app = create_app(Config(), backend_factory=lambda cfg: backend, max_body_bytes=10_000)
     with TestClient(app) as c:
         yield c
-    tokens.set_tokenizer(None)
 
 
 URL = "/v1/chat/completions"
@@ -126,9 +155,13 @@ def test_native_without_model_is_native(client, backend):
 @pytest.mark.parametrize(
     "body, field",
     [
-        ({"text": "hi", "temperature": 0}, "temperature"),
         ({"text": "hi", "temperature": -1}, "temperature"),
-        ({"text": "hi", "topp": 0}, "topp"),
+        ({"text": "hi", "topp": -0.1}, "topp"),
+        ({"text": "hi", "history": []}, "history"),
+        ({"text": "hi", "seed": 1 << 63}, "seed"),
+        ({"text": "hi", "logit_bias": {"x": 1}}, "logit_bias"),
+        ({"text": "hi", "logit_bias": {"3": 101}}, "logit_bias"),
+        ({"text": "hi", "stop": [""]}, "stop"),
         ({"text": "hi", "top_p": 1.5}, "top"),
         ({"text": "hi", "max_dec_len": -3}, "max_dec_len"),
         ({"text": "hi", "min_dec_len": -1}, "min_dec_len"),
@@ -167,7 +200,12 @@ def test_openai_chat_non_stream(client, backend):
     assert r.status_code == 200 and body["object"] == "chat.completion" and body["model"] == "m"
     assert body["choices"][0]["message"] == {"role": "assistant", "content": "t0t1t2"}
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 3, "total_tokens": 6}
+    assert body["usage"] == {
+        "prompt_tokens": 3,
+        "completion_tokens": 3,
+        "total_tokens": 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     sent = backend.bodies[0]
     assert sent["max_dec_len"] == 3 and sent["messages"][0] == {"role": "system", "content": "be brief"}
     assert sent["messages"][1]["content"] == "hi" and sent["return_usage"] is True
@@ -205,21 +243,30 @@ def test_openai_completions_prompts_echo_logprobs(client, backend):
     body = {"model": "m", "prompt": ["ab", "cd"], "echo": True, "logprobs": 1, "max_tokens": 2}
     r = client.post("/v1/chat/completions/completions", json=body)  # the seeds' base_url
     choices = r.json()["choices"]
-    assert [c["text"] for c in choices] == ["abt0t1", "cdt0t1"]
+    # With logprobs the echoed text is the engine's decoding of the prompt, where its offsets count.
+    assert [c["text"] for c in choices] == ["<1><2>t0t1", "<1><2>t0t1"]
     lp = choices[0]["logprobs"]
-    assert lp["tokens"] == ["<100>", "<101>"] and lp["token_logprobs"] == [-0.5, -0.5]
-    assert lp["top_logprobs"][0] == {"<100>": -0.5} and lp["text_offset"] == [2, 7]
-    assert [b["logprobs"] for b in backend.bodies] == [1, 1]
-    # Token-id prompts: echo decodes them.
+    # The prompt's tokens first (the first has no logprob), then the output's; offsets index the text.
+    assert lp["tokens"] == ["<1>", "<2>", "<100>", "<101>"]
+    assert lp["token_logprobs"] == [None, -0.5, -0.5, -0.5]
+    assert lp["top_logprobs"][0] is None and lp["top_logprobs"][2] == {"<100>": -0.5}
+    assert lp["text_offset"] == [0, 3, 6, 8]
+    assert [(b["logprobs"], b["prompt_logprobs"]) for b in backend.bodies] == [(1, 1), (1, 1)]
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "ab", "echo": True, "max_tokens": 1})
+    assert r.json()["choices"][0]["text"] == "abt0"  # without logprobs: the prompt as sent
+    # logprobs=0: the chosen token alone.
+    r = client.post("/v1/completions", json={"model": "m", "prompt": "x", "logprobs": 0, "max_tokens": 2})
+    assert r.json()["choices"][0]["logprobs"]["top_logprobs"] == [{"<100>": -0.5}, {"<101>": -0.5}]
+    # Token-id prompts: the engine sends their text back.
     r = client.post("/v1/completions", json={"model": "m", "prompt": [5, 6], "echo": True, "max_tokens": 1})
-    assert r.json()["choices"][0]["text"] == "<5><6>t0" and backend.bodies[-1]["input_ids"] == [5, 6]
+    assert r.json()["choices"][0]["text"] == "<5><6>t0" and backend.bodies[-1]["echo"] is True
 
 
 def test_openai_chat_logprobs_stream(client, backend):
     body = {"model": "m", "messages": [{"role": "user", "content": "q"}], "logprobs": True, "top_logprobs": 2}
     chunks = sse(client.post("/v1/chat/completions/chat/completions", json=body | {"stream": True, "max_tokens": 2}))
     content = chunks[0]["choices"][0]["logprobs"]["content"]
-    assert content[0]["token"] == "<100>" and content[0]["bytes"] == list(b"<100>")
+    assert content[0]["token"] == "<100>" and content[0]["bytes"] == list(b"<100>") and content[0]["logprob"] == -0.5
     assert [t["token"] for t in content[0]["top_logprobs"]] == ["<100>", "<7>"]
     assert backend.bodies[0]["logprobs"] == 2
 
@@ -285,8 +332,8 @@ def test_models_and_openapi(client):
     assert client.get("/v1/chat/completions/models").status_code == 200
     spec = client.get("/openapi.json").json()
     schemas = spec["components"]["schemas"]
-    assert {"HttpNativeRequest", "CompletionRequest", "ChatCompletionRequest"} <= set(schemas)
-    assert "max_dec_len" in schemas["HttpNativeRequest"]["properties"]
+    assert {"NativeRequest", "CompletionRequest", "ChatCompletionRequest"} <= set(schemas)
+    assert "max_dec_len" in schemas["NativeRequest"]["properties"]
     assert "/v1/completions" in spec["paths"] and "/v1/chat/completions" in spec["paths"]
 
 
@@ -323,3 +370,91 @@ def test_stream_close_closes_backend_streams():
 
     asyncio.run(run())
     assert sorted(backend.closed) == ["a", "b"]
+
+
+# ---- OpenAI conformance (issue 12) -----------------------------------------------------------
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+
+
+@pytest.mark.parametrize(
+    "path, extra, param, words",
+    [
+        ("/v1/completions", {"frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied"),
+        (URL, {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        (URL, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+        (URL, {"tool_choice": "auto"}, "tool_choice", "not supported"),
+        (URL, {"functions": [{"name": "f"}]}, "functions", "not supported"),
+        (URL, {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
+        ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
+        ("/v1/completions", {"seed": 1 << 63}, "seed", "seed"),
+        ("/v1/completions", {"seed": -(1 << 63) - 1}, "seed", "seed"),
+        ("/v1/completions", {"best_of": 3}, "best_of", "best_of"),
+        ("/v1/completions", {"logit_bias": {"5": 100.5}}, "logit_bias", "[-100, 100]"),
+        ("/v1/completions", {"logit_bias": {"five": 1}}, "logit_bias", "token ids"),
+        (URL, {"messages": [{"role": "user", "content": "x", "audio": {}}]}, "messages.0.audio", "Unrecognized"),
+    ],
+)
+def test_openai_fields_are_honoured_or_refused_by_name(client, backend, path, extra, param, words):
+    body = (CHAT if path == URL else {"model": "m", "prompt": "x"}) | extra
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == param and words in err["message"], err
+    assert not backend.bodies
+
+
+def test_openai_accepted_fields_reach_the_engine(client, backend):
+    body = {"model": "m", "prompt": "x", "n": 2, "seed": -1, "logit_bias": {"5": -100, "7": 2.5}, "ignore_eos": True}
+    body |= {"user": "u1", "stop": ["a", "b", "c", "d"]}
+    assert client.post("/v1/completions", json=body).status_code == 200
+    a, b = backend.bodies
+    assert (a["seed"], b["seed"]) == (-1, 0)  # choice i: seed + i, within int64
+    assert a["logit_bias"] == {"5": -100, "7": 2.5} and a["ignore_eos"] is True and a["model"] == "m"
+    top = {"model": "m", "prompt": "x", "n": 2, "seed": (1 << 63) - 1}
+    assert client.post("/v1/completions", json=top).status_code == 200
+    assert [x["seed"] for x in backend.bodies[2:]] == [(1 << 63) - 1, -(1 << 63)]
+    ok = CHAT | {"response_format": {"type": "text"}, "tool_choice": "none", "stream": True}
+    assert client.post(URL, json=ok | {"stream_options": {"include_usage": True}}).status_code == 200
+
+
+@pytest.mark.parametrize("ctype", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data", None])
+@pytest.mark.parametrize("path", [URL, "/v1/completions"])
+def test_non_json_bodies_are_415(client, backend, path, ctype):
+    headers = {"content-type": ctype} if ctype else {}
+    body = json.dumps({"model": "m", "prompt": "x"} if path != URL else {"text": "x"}).encode()
+    r = client.post(path, content=body, headers=headers)
+    assert r.status_code == 415, r.text
+    assert "Content-Type" in r.json()["error"]["message"] and not backend.bodies
+
+
+def test_json_media_types_with_parameters_or_suffix_are_accepted(client):
+    for ctype in ("application/json; charset=utf-8", "application/merge-patch+json", "Application/JSON"):
+        r = client.post(URL, content=json.dumps({"text": "x"}).encode(), headers={"content-type": ctype})
+        assert r.status_code == 200, (ctype, r.text)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_errors_name_the_openai_field(client, stream):
+    def err(path, body):
+        r = client.post(path, json=body | {"stream": stream})
+        return r.status_code, r.json()["error"]
+
+    status, e = err("/v1/completions", {"model": "m", "prompt": "CTX"})
+    assert status == 400 and e["code"] == "context_length_exceeded" and e["param"] == "prompt"
+    assert e["message"].startswith("This model's maximum context length is 64 tokens")
+    status, e = err("/v1/completions", {"model": "m", "prompt": "MAXDEC", "max_tokens": 5000})
+    assert status == 400 and e["param"] == "max_tokens" and e["message"].startswith("max_tokens: 5000 exceeds")
+    chat = {"model": "m", "messages": [{"role": "user", "content": "MAXDEC"}], "max_completion_tokens": 5000}
+    status, e = err(URL, chat)
+    assert status == 400 and e["param"] == "max_completion_tokens" and "max_dec_len" not in e["message"]
+    status, e = err("/v1/completions", {"model": "m", "prompt": "VOCAB"})
+    assert status == 400 and e["param"] == "prompt" and e["message"].startswith("prompt: token id 99999")
+    status, e = err("/v1/completions", {"model": "m", "prompt": "MODEL"})
+    assert status == 404 and e["code"] == "model_not_found" and e["param"] == "model"
+
+
+def test_native_keeps_its_codes_and_fields(client):
+    r = client.post(URL, json={"text": "CTX"})
+    assert r.status_code == 413 and r.json()["error_code"] == 413 and "maximum context length" in r.json()["error_msg"]
+    r = client.post(URL, json={"text": "MAXDEC", "max_dec_len": 5000})
+    assert r.status_code == 400 and r.json()["error_msg"].startswith("max_dec_len")

@@ -94,9 +94,8 @@ def test_static_graph_equals_dygraph(model, monkeypatch):
     and through the same paged forward run eagerly: logits and caches are bitwise equal.
     The predictor runs single-threaded here like eager mode: with 2 math threads the GEMMs
     split their sums differently and ~0.3% of logits move by one ulp."""
-    monkeypatch.setenv("LLMSERVE_PADDLE_THREADS", "1")
     cfg, weights, out = model
-    runner = make_runner(out)
+    runner = make_runner(out, paddle_threads=1)
     rng = np.random.default_rng(1)
     pool = [int(b) for b in rng.permutation(runner.num_kv_blocks)]
     reqs = [new_request(rng, f"r{i}", n, pool[i * 8 : i * 8 + 8]) for i, n in enumerate([13, 22, 9])]

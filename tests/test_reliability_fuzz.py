@@ -46,8 +46,8 @@ def stack(tmp_path_factory):
     assert s.stop().returncode == 0
 
 
-def post(stack, path: str, data: bytes, ctype: str | None = "application/json") -> requests.Response:
-    headers = {"content-type": ctype} if ctype else {}
+def post(stack, path: str, data: bytes, ctype: str | None = None) -> requests.Response:
+    headers = {"content-type": ctype or "application/json"}
     r = requests.post(stack.http_base + path, data=data, headers=headers, timeout=TIMEOUT)
     FIGURES["requests"] += 1
     FIGURES["5xx"] += r.status_code >= 500
@@ -109,9 +109,20 @@ HOSTILE = [
         400,
         "temperature",
     ),
-    ("negative-seed", NATIVE, J({"text": "hi", "seed": -1, "max_dec_len": 2}), None, 400, "seed"),
+    ("seed-past-int64", NATIVE, J({"text": "hi", "seed": 1 << 63, "max_dec_len": 2}), None, 400, "seed"),
+    ("seed-1e30", NATIVE, J({"text": "hi", "max_dec_len": 3, "seed": 10**30}), None, 400, "seed"),
+    ("unknown-native", NATIVE, J({"text": "hi", "no_such_field": [1, {"a": None}]}), None, 400, "no_such_field"),
+    ("unknown-openai", COMPLETIONS, J({"model": "m", "prompt": "hi", "zzz": {"deep": [1]}}), None, 400, "zzz"),
+    ("text-plain", NATIVE, J({"text": "hi", "max_dec_len": 3}), "text/plain", 415, "Content-Type"),
     ("token-out-of-vocab", NATIVE, J({"input_ids": [10**12], "max_dec_len": 2}), None, 400, "vocabulary"),
-    ("negative-token", COMPLETIONS, J({"model": "m", "prompt": [[-1]], "max_tokens": 2}), None, 400, "vocabulary"),
+    (
+        "negative-token",
+        COMPLETIONS,
+        J({"model": "default", "prompt": [[-1]], "max_tokens": 2}),
+        None,
+        400,
+        "vocabulary",
+    ),
     ("nan-temperature", NATIVE, b'{"text": "hi", "temperature": NaN}', None, 400, "temperature"),
     ("nan-penalty", NATIVE, b'{"text": "hi", "frequency_score": NaN, "max_dec_len": 2}', None, 400, "frequency"),
     ("inf-penalty", NATIVE, b'{"text": "hi", "penalty_score": Infinity, "max_dec_len": 2}', None, 400, "penalty"),
@@ -137,13 +148,13 @@ HOSTILE = [
     ("null-messages-openai", NATIVE, J({"model": "m", "messages": None}), None, 400, "messages"),
     ("empty-body", NATIVE, b"", None, 400, "empty"),
     ("not-json", NATIVE, b"{oops", "application/json", 400, "JSON"),
-    ("form-encoded", NATIVE, b"text=hi&max_dec_len=3", "application/x-www-form-urlencoded", 400, "JSON"),
+    ("form-encoded", NATIVE, b"text=hi&max_dec_len=3", "application/x-www-form-urlencoded", 415, "JSON"),
     (
         "multipart",
         COMPLETIONS,
         b"--x\r\nContent-Disposition: form-data; name=a\r\n\r\nb\r\n--x--\r\n",
         "multipart/form-data; boundary=x",
-        400,
+        415,
         "JSON",
     ),
     ("bad-stop-type", NATIVE, J({"text": "hi", "stop_sequences": [1, 2]}), None, 400, "stop"),
@@ -190,15 +201,27 @@ def test_10mb_chunked_body_without_length_is_413(stack):
 @pytest.mark.parametrize(
     "path, raw, ctype",
     [
-        (NATIVE, J({"text": "hi", "max_dec_len": 3, "min_dec_len": 3, "no_such_field": [1, {"a": None}]}), None),
-        (COMPLETIONS, J({"model": "m", "prompt": "hi", "max_tokens": 3, "zzz": {"deep": [1]}}), None),
-        (NATIVE, J({"text": "hi", "max_dec_len": 3, "min_dec_len": 3}), "text/plain"),  # lenient: JSON is JSON
+        (NATIVE, J({"text": "hi", "max_dec_len": 3, "min_dec_len": 3, "seed": -1}), None),
+        (
+            COMPLETIONS,
+            J({"model": "default", "prompt": "hi", "max_tokens": 3, "min_tokens": 3, "seed": -(1 << 63)}),
+            None,
+        ),
+        (NATIVE, J({"text": "hi", "max_dec_len": 3, "min_dec_len": 3}), "application/json; charset=utf-8"),
         (NATIVE, J({"text": "hi", "max_dec_len": 3, "min_dec_len": 3, "timeout": 1e308}), None),
         (NATIVE, b'{"text": "hi", "max_dec_len": 3, "min_dec_len": 3, "timeout": Infinity}', None),
-        (NATIVE, J({"text": "hi", "max_dec_len": 3, "min_dec_len": 3, "seed": 10**30}), None),
-        (NATIVE, J({"text": "hi", "max_dec_len": 3, "min_dec_len": 3, "x": deep(200).decode()}), None),
+        (NATIVE, J({"text": "hi", "max_dec_len": 3, "min_dec_len": 3, "seed": (1 << 63) - 1}), None),
+        (NATIVE, J({"text": deep(200).decode(), "max_dec_len": 3, "min_dec_len": 3}), None),
     ],
-    ids=["unknown-native", "unknown-openai", "text-plain", "timeout-1e308", "timeout-inf", "seed-1e30", "deep-string"],
+    ids=[
+        "negative-seed",
+        "int64-min-seed",
+        "json-charset",
+        "timeout-1e308",
+        "timeout-inf",
+        "int64-max-seed",
+        "deep-string",
+    ],
 )
 def test_odd_but_valid_bodies_run_to_the_end(stack, path, raw, ctype):
     r = post(stack, path, raw, ctype)
@@ -318,10 +341,10 @@ def test_native_model_parses_or_raises_a_4xx(body):
     if req is not None:
         try:
             ids = native.prompt_token_ids(req, _Tok())
-            native.admit(req, len(ids), MAX_SEQ_LEN, MAX_DEC_LEN)
+            native.admit(req, ids, MAX_SEQ_LEN, MAX_DEC_LEN, 1000)
         except native.NativeError as e:
             assert 400 <= e.code < 500 and e.msg
-    # The front end's stricter model (temperature > 0, topp in (0, 1]).
+    # The front end answers with the same rules.
     if isinstance(body, dict):
         try:
             parse_native(body)

@@ -35,6 +35,9 @@ def test_aliases_and_single_values():
         ({"text": "a", "penalty_score": 0}, "penalty_score"),
         ({"messages": [{"role": "robot", "content": "b"}]}, "role"),
         ({"messages": []}, "empty"),
+        ({"text": "a", "history": [["q", "a"]]}, "history: unknown field"),
+        ({"text": "a", "seed": 1 << 63}, "seed"),
+        ({"text": "a", "logit_bias": {"3": -100.5}}, "logit_bias"),
     ],
 )
 def test_invalid_requests_are_400(body, word):
@@ -48,26 +51,57 @@ def test_admit_limits_and_defaults():
     max_seq, max_dec = rng.randint(200, 400), rng.randint(50, 150)
     req = native.parse({"text": "a"})
     n = rng.randint(1, max_seq - 1)
-    p = native.admit(req, n, max_seq, max_dec)
+    p = native.admit(req, [1] * n, max_seq, max_dec)
     assert p.max_tokens == min(max_dec, max_seq - n)  # default: what is left, within MAX_DEC_LEN
     with pytest.raises(NativeError) as e:
-        native.admit(req, max_seq, max_seq, max_dec)
-    assert e.value.code == 413
+        native.admit(req, [1] * max_seq, max_seq, max_dec)
+    assert e.value.code == 413 and e.value.param == "text"
+    assert e.value.msg.startswith(f"This model's maximum context length is {max_seq} tokens")
     for field in ("max_dec_len", "min_dec_len"):
         with pytest.raises(NativeError) as e:
-            native.admit(native.parse({"text": "a", field: max_dec + 1}), 5, max_seq, max_dec)
-        assert e.value.code == 400 and field in e.value.msg and "MAX_DEC_LEN" in e.value.msg
+            native.admit(native.parse({"text": "a", field: max_dec + 1}), [1] * 5, max_seq, max_dec)
+        assert e.value.code == 400 and e.value.param == field and "MAX_DEC_LEN" in e.value.msg
+    # An explicit max_dec_len that does not fit after the prompt is refused, not cut short.
+    m = rng.randint(max_seq - n + 1, max_seq)
+    with pytest.raises(NativeError) as e:
+        native.admit(native.parse({"text": "a", "max_dec_len": m}), [1] * n, max_seq, max_seq)
+    assert e.value.code == 400 and e.value.param == "max_dec_len" and f"you requested {n + m} tokens" in e.value.msg
+    assert native.admit(native.parse({"text": "a", "max_dec_len": max_seq - n}), [1] * n, max_seq, max_seq)
 
 
-def test_admit_maps_fields_to_sampling_params():
-    body = {"text": "a", "max_dec_len": 9, "min_dec_len": 2, "topp": 0.3, "temperature": 0.5, "penalty_score": 1.3}
-    body |= {"frequency_score": 0.2, "presence_score": 0.1, "seed": 42, "stop_sequences": ["x"], "eos_token_ids": [7]}
-    p = native.admit(native.parse(body), 4, 100, 50)
-    assert (p.max_tokens, p.min_tokens, p.top_p, p.temperature) == (9, 2, 0.3, 0.5)
-    assert (p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.seed) == (1.3, 0.2, 0.1, 42)
-    assert (p.stop, p.stop_token_ids) == (["x"], [7])
-    for greedy in ({"temperature": 0}, {"topp": 0}):
-        assert native.admit(native.parse({"text": "a", **greedy}), 4, 100, 50).greedy
+def test_admit_checks_the_vocabulary():
+    vocab = random.randint(100, 1000)
+    for body, field in (
+        ({"input_ids": [1, vocab]}, "input_ids"),
+        ({"text": "a", "eos_token_ids": [vocab + 5]}, "eos_token_ids"),
+        ({"text": "a", "logit_bias": {str(vocab): 1.0}}, "logit_bias"),
+    ):
+        req = native.parse(body)
+        with pytest.raises(NativeError) as e:
+            native.admit(req, req.input_ids or [1], 100, 50, vocab)
+        assert e.value.code == 400 and e.value.param == field and e.value.msg.startswith(f"{field}: token id")
+    p = native.admit(
+        native.parse({"text": "a", "logit_bias": {"3": -100, "7": 2.5}, "top_k": 10**6}), [1], 100, 50, vocab
+    )
+    assert p.logit_bias == {3: -100.0, 7: 2.5} and p.top_k == vocab
+
+
+def test_seed_takes_the_int64_range():
+    for seed in (-1, -(1 << 63), (1 << 63) - 1, 0):
+        p = native.admit(native.parse({"text": "a", "seed": seed}), [1], 100, 50)
+        assert p.seed == seed & 0xFFFFFFFFFFFFFFFF  # two's complement: distinct seeds stay distinct
+
+
+def test_served_model_names():
+    names = native.served_model_names("/models/llama-8b/", "")
+    assert names[0] == "llama-8b" and {"default", "/models/llama-8b/"} <= set(names)
+    assert native.served_model_names("", "")[0] == "default"
+    assert native.served_model_names("/m/x", "prod")[0] == "prod"
+    native.check_model(None, names)
+    native.check_model("default", names)
+    with pytest.raises(NativeError) as e:
+        native.check_model("gpt-4", names)
+    assert e.value.code == 404 and e.value.param == "model"
 
 
 def test_prompt_token_ids_uses_the_chat_template_for_messages_and_system():

@@ -1,5 +1,6 @@
-"""start_server.sh / stop_server.sh: clear start-up errors, clean start/stop cycles,
-the queue bound (429), DISABLE_STREAMING and USE_WARMUP."""
+"""start_server.sh / stop_server.sh: clear start-up errors (bad settings, taken or clashing
+ports, an address that is not ours: named, exit code 2, nothing started), clean start/stop
+cycles, the queue bound (429), DISABLE_STREAMING and USE_WARMUP."""
 
 from __future__ import annotations
 
@@ -18,6 +19,20 @@ pytest.importorskip("tritonclient.grpc")
 from llmserve.triton.client import TritonStream, collect  # noqa: E402
 
 CYCLES = int(os.environ.get("LLMSERVE_TEST_CYCLES", "10"))  # the issue asks for ten in a row
+ALL_PORT_VARS = PORT_VARS
+
+
+def new_stack(work_dir: Path, **env) -> ServingStack:
+    """A ServingStack: every port a free one, Triton's metrics port included (its default, 8002, would
+    clash with any other stack on this machine)."""
+    return ServingStack(work_dir, **env)
+
+
+def assert_nothing_started(stack: ServingStack) -> None:
+    assert not (stack.log_dir / "llmserve.run.json").exists()
+    assert not (stack.log_dir / "server.log").exists()
+    for var, port in stack.ports.items():
+        assert port_is_free(port), f"{var}={port} is taken"
 
 
 def assert_nothing_left(stack: ServingStack, pid: int) -> None:
@@ -29,27 +44,68 @@ def assert_nothing_left(stack: ServingStack, pid: int) -> None:
     assert not (stack.log_dir / "llmserve.run.json").exists()
 
 
-@pytest.mark.parametrize("var", random.sample(PORT_VARS, 2))
+@pytest.mark.parametrize("var", [*random.sample(PORT_VARS[:4], 2), "TRITON_METRICS_PORT"])
 def test_taken_port_is_named_before_anything_starts(tmp_path, var):
-    stack = ServingStack(tmp_path)
+    stack = new_stack(tmp_path)
     with socket.socket() as s:
         s.bind(("127.0.0.1", stack.ports[var]))
         s.listen()
         r = stack.start(check=False)
     assert r.returncode == 2
-    assert var in r.stderr and str(stack.ports[var]) in r.stderr and "in use" in r.stderr
+    assert f"port {stack.ports[var]} ({var}) is already in use" in r.stderr, r.stderr
     assert not (stack.log_dir / "llmserve.run.json").exists()
     assert not (stack.log_dir / "server.log").exists()  # nothing was started
 
 
+def test_two_settings_on_one_port_are_named(tmp_path):
+    stack = new_stack(tmp_path)
+    stack.env["TRITON_METRICS_PORT"] = stack.env["HEALTH_HTTP_PORT"]
+    r = stack.start(check=False)
+    assert r.returncode == 2
+    assert f"TRITON_METRICS_PORT={stack.ports['HEALTH_HTTP_PORT']} is the same port as HEALTH_HTTP_PORT" in r.stderr
+    assert_nothing_started(stack)
+
+
+def test_host_that_is_not_ours_is_named(tmp_path):
+    stack = new_stack(tmp_path, LLMSERVE_HOST="192.0.2.1")  # TEST-NET-1: never an address of this machine
+    r = stack.start(check=False)
+    assert r.returncode == 2
+    assert r.stderr.strip() == (
+        "start_server: LLMSERVE_HOST='192.0.2.1' is not an address of this machine (Cannot assign requested address)"
+    )
+    assert_nothing_started(stack)
+
+
+@pytest.mark.parametrize("value", ["60s", "0", "-5", "nan"])
+def test_bad_start_timeout_is_named_and_starts_nothing(tmp_path, value):
+    stack = new_stack(tmp_path, LLMSERVE_START_TIMEOUT=value)
+    stack.log_dir.mkdir(parents=True)
+    (stack.log_dir / "engine.log").write_text("the last start's log\n")
+    r = stack.start(check=False)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    (line,) = r.stderr.splitlines()  # one message, no traceback
+    assert line.startswith("start_server: invalid settings: LLMSERVE_START_TIMEOUT") and value in line, line
+    assert_nothing_started(stack)
+    # Nothing was touched either: the last start's logs were not moved aside.
+    assert (stack.log_dir / "engine.log").read_text() == "the last start's log\n"
+    assert not (stack.log_dir / "engine.log.1").exists()
+
+
+def test_bad_setting_is_named_before_a_download(tmp_path):
+    r = new_stack(tmp_path, BATCH_SIZE="many", MODEL_DIR=tmp_path / "models").start("org/model", check=False)
+    assert r.returncode == 2
+    assert "BATCH_SIZE='many'" in r.stderr and "downloading" not in r.stdout, (r.stdout, r.stderr)
+    assert not (tmp_path / "models").exists()
+
+
 def test_bad_setting_is_named(tmp_path):
-    r = ServingStack(tmp_path, BATCH_SIZE="many", BLOCK_RATIO="2").start(check=False)
+    r = new_stack(tmp_path, BATCH_SIZE="many", BLOCK_RATIO="2").start(check=False)
     assert r.returncode == 2
     assert "BATCH_SIZE='many'" in r.stderr and "BLOCK_RATIO='2'" in r.stderr
 
 
 def test_start_stop_cycles_leave_nothing_behind(tmp_path, demo_dir):
-    stack = ServingStack(tmp_path, MODEL_DIR=demo_dir)
+    stack = new_stack(tmp_path, MODEL_DIR=demo_dir)
     # Legacy names must work as well as the new ones.
     legacy = {"HEALTH_HTTP_PORT": "HTTP_PORT", "SERVICE_GRPC_PORT": "GRPC_PORT", "METRICS_HTTP_PORT": "METRICS_PORT"}
     for new, old in legacy.items():
@@ -73,7 +129,7 @@ def test_start_stop_cycles_leave_nothing_behind(tmp_path, demo_dir):
 
 def test_queue_bound_disable_streaming_and_warmup(tmp_path, demo_dir):
     env = {"MODEL_DIR": demo_dir, "BATCH_SIZE": 1, "MAX_CACHED_TASK_NUM": 2, "DISABLE_STREAMING": 1, "USE_WARMUP": 1}
-    with ServingStack(tmp_path, **env) as stack:
+    with new_stack(tmp_path, **env) as stack:
         assert "warm" in (stack.log_dir / "engine.log").read_text()
         c = TritonStream(stack.grpc_url)
         n = 8
@@ -119,7 +175,7 @@ def test_start_with_model_name_downloads_then_serves_with_console_logs(tmp_path,
     httpd = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(tmp_path / "www")))
     threading.Thread(target=httpd.serve_forever, daemon=True).start()
     models = tmp_path / "models"
-    stack = ServingStack(
+    stack = new_stack(
         tmp_path / "run",
         MODEL_DIR=models,
         MODEL_BASE_URL=f"http://127.0.0.1:{httpd.server_address[1]}",

@@ -106,7 +106,7 @@ def test_admission_errors(stack, client):
     cases = [
         ({"text": "hi", "max_dec_len": MAX_DEC_LEN + 1}, 400, "MAX_DEC_LEN"),
         ({"text": "hi", "min_dec_len": MAX_DEC_LEN + 1}, 400, "MAX_DEC_LEN"),
-        ({"input_ids": [5] * MAX_SEQ_LEN}, 413, "MAX_SEQ_LEN"),
+        ({"input_ids": [5] * MAX_SEQ_LEN}, 413, f"maximum context length is {MAX_SEQ_LEN} tokens"),
         ({"text": "hi", "temperature": -1}, 400, "temperature"),
         ({"max_dec_len": 3}, 400, "text"),
         ({"text": "hi", "topp": 1.5}, 400, "topp"),

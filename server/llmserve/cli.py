@@ -71,16 +71,24 @@ SECRET_SETTINGS = frozenset({"API_KEY"})
 
 
 def _config(args: argparse.Namespace) -> int:
+    """Every field of Config, one line each: variable (aliases) = value, where it came from, default, meaning."""
+    import dataclasses
+
     from llmserve.config import Config
 
     cfg = Config.from_env()
-    for env, aliases, default, doc in Config.settings_table():
-        field = next(f for f in cfg.__dataclass_fields__.values() if f.metadata.get("env") == env)
+    for f in dataclasses.fields(Config):
+        env, aliases = f.metadata["env"], f.metadata["aliases"]
         alias = f" ({', '.join(aliases)})" if aliases else ""
-        value = getattr(cfg, field.name)
+        value = getattr(cfg, f.name)
         if env in SECRET_SETTINGS and value:
             value = "<set, hidden>"  # never print a secret (terminals and CI logs keep it)
-        print(f"{env}{alias} = {value!r}  # default {default!r}: {doc}")
+        source = next((n for n in (env, *aliases) if n in os.environ), None)
+        if source is None:
+            origin = "default"
+        else:
+            origin = f"{'set' if source == env else f'set by {source}'}, default {f.default!r}"
+        print(f"{env}{alias} = {value!r}  # {origin}: {f.metadata['doc']}")
     return 0
 
 

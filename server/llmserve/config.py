@@ -9,9 +9,11 @@ CLI flags mirror them by overriding fields (`dataclasses.replace`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -53,7 +55,29 @@ def _opt_positive_int(raw: str) -> int | None:
     return None if raw.strip() == "" else _positive_int(raw)
 
 
+def _float(raw: str) -> float:
+    try:
+        v = float(raw)
+    except ValueError:
+        raise ValueError("expected a number (no unit: 60, not 60s)") from None
+    if math.isnan(v):  # float() takes "nan", and every comparison with it is False: no check would catch it
+        raise ValueError("expected a number, got nan")
+    return v
+
+
 def _str(raw: str) -> str:
+    return raw
+
+
+def _host(raw: str) -> str:
+    if not raw.strip() or raw != raw.strip():
+        raise ValueError("expected an address to bind (0.0.0.0: every interface; 127.0.0.1: this machine only)")
+    return raw
+
+
+def _torch_kernels(raw: str) -> str:
+    if raw not in ("", "ref"):
+        raise ValueError("expected empty or `ref`")
     return raw
 
 
@@ -86,12 +110,22 @@ class Config:
     service_grpc_port: int = _setting("SERVICE_GRPC_PORT", 8811, _port, "GRPC_PORT", doc="Triton gRPC")
     metrics_http_port: int = _setting("METRICS_HTTP_PORT", 8722, _port, "METRICS_PORT", doc="Prometheus metrics")
     inter_proc_port: int = _setting(
-        "INTER_PROC_PORT", 56666, _port, "INTER_QUEUE_PORT", "INFER_QUEUE_PORT", doc="engine IPC (loopback only)"
+        "INTER_PROC_PORT",
+        56666,
+        _port,
+        "INTER_QUEUE_PORT",
+        "INFER_QUEUE_PORT",
+        doc="engine IPC (always bound to 127.0.0.1, whatever LLMSERVE_HOST says)",
     )
     triton_metrics_port: int = _setting(
-        "TRITON_METRICS_PORT", 8002, _port, doc="Triton's own metrics (re-exported on METRICS_HTTP_PORT)"
+        "TRITON_METRICS_PORT",
+        8002,
+        _port,
+        doc="Triton's own metrics, re-exported on METRICS_HTTP_PORT (-1: Triton's metrics off)",
     )
-    host: str = _setting("LLMSERVE_HOST", "0.0.0.0", _str, doc="address the ports above bind to")
+    host: str = _setting(
+        "LLMSERVE_HOST", "0.0.0.0", _host, doc="address every port but INTER_PROC_PORT binds to (0.0.0.0: all)"
+    )
     service_http_port: int = _setting(
         "SERVICE_HTTP_PORT", 9965, _port, "PUSH_MODE_HTTP_PORT", doc="HTTP front end (-1: none)"
     )
@@ -139,14 +173,16 @@ class Config:
     disable_streaming: bool = _setting("DISABLE_STREAMING", False, _bool, doc="send the whole result at once")
     use_warmup: bool = _setting("USE_WARMUP", False, _bool, doc="warm up before ready")
     use_cache_kv_int8: bool = _setting("USE_CACHE_KV_INT8", False, _bool, doc="int8 KV cache")
-    check_health_interval: float = _setting("CHECK_HEALTH_INTERVAL", 10.0, float, doc="engine heartbeat timeout (s)")
+    check_health_interval: float = _setting("CHECK_HEALTH_INTERVAL", 10.0, _float, doc="engine heartbeat timeout (s)")
     drain_timeout: float = _setting(
-        "LLMSERVE_DRAIN_TIMEOUT", 10.0, float, doc="on SIGTERM: seconds requests in flight may take to finish"
+        "LLMSERVE_DRAIN_TIMEOUT", 10.0, _float, doc="on SIGTERM: seconds requests in flight may take to finish"
     )
     start_timeout: float = _setting(
-        "LLMSERVE_START_TIMEOUT", 600.0, float, doc="start_server.sh: seconds to wait for ready"
+        "LLMSERVE_START_TIMEOUT", 600.0, _float, doc="start_server.sh: seconds to wait for ready"
     )
-    stop_timeout: float = _setting("LLMSERVE_STOP_TIMEOUT", 30.0, float, doc="stop_server.sh: seconds to wait for exit")
+    stop_timeout: float = _setting(
+        "LLMSERVE_STOP_TIMEOUT", 30.0, _float, doc="stop_server.sh: seconds to wait for exit before killing"
+    )
     output_log_to_console: bool = _setting("OUTPUT_LOG_TO_CONSOLE", False, _bool, doc="logs to console instead of log/")
     log_dir: str = _setting("LOG_DIR", "log", _str, doc="log directory")
     api_key: str = _setting("API_KEY", "", _str, doc="require Authorization: Bearer <key> (empty: open)")
@@ -158,7 +194,10 @@ class Config:
     paddle_mkldnn: bool = _setting("LLMSERVE_PADDLE_MKLDNN", False, _bool, doc="oneDNN kernels for the Paddle runner")
     cuda_graphs: bool = _setting("LLMSERVE_CUDA_GRAPHS", True, _bool, doc="replay decode steps as CUDA graphs")
     torch_kernels: str = _setting(
-        "LLMSERVE_TORCH_KERNELS", "", _str, doc="`ref`: the torch reference ops instead of Triton kernels (debug)"
+        "LLMSERVE_TORCH_KERNELS",
+        "",
+        _torch_kernels,
+        doc="`ref`: the torch reference ops instead of Triton kernels (debug)",
     )
     triton_stub_pythonpath: str = _setting(
         "LLMSERVE_TRITON_STUB_PYTHONPATH", "", _str, doc="put first on the Triton stub's path (numpy<2 for its stub)"
@@ -188,6 +227,24 @@ class Config:
         cfg = cls(**values)
         cfg.validate()
         return cfg
+
+    @classmethod
+    def read(cls, name: str, env: Mapping[str, str] | None = None) -> Any:
+        """One setting (field `name`) from the environment, its default when unset.
+
+        For code that runs outside a started service, e.g. at import: a bad value of an *unrelated*
+        setting must not get in its way (the service reports that one at start). A bad value of
+        this setting raises ConfigError naming its variable, like from_env.
+        """
+        env = os.environ if env is None else env
+        f = cls.__dataclass_fields__[name]
+        var = next((n for n in (f.metadata["env"], *f.metadata["aliases"]) if n in env), None)
+        if var is None:
+            return f.default
+        try:
+            return f.metadata["parse"](env[var])
+        except ValueError as e:
+            raise ConfigError(f"invalid settings: {var}={env[var]!r}: {e}") from None
 
     def validate(self) -> None:
         errors = []
@@ -231,6 +288,19 @@ class Config:
             v = getattr(self, f.name)
             env[f.metadata["env"]] = "" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
         return env
+
+    @property
+    def cache_path(self) -> Path:
+        """LLMSERVE_CACHE_DIR, or ~/.cache/llmserve when unset."""
+        return Path(self.cache_dir).expanduser() if self.cache_dir else Path.home() / ".cache" / "llmserve"
+
+    @property
+    def local_host(self) -> str:
+        """How this machine reaches our own servers, for URLs and host:port strings: a wildcard bind on
+        loopback, an IPv6 address in brackets."""
+        if self.host in ("0.0.0.0", "::", ""):
+            return "127.0.0.1"
+        return f"[{self.host}]" if ":" in self.host else self.host
 
     @property
     def max_blocks_per_seq(self) -> int:

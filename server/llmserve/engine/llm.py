@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine, build_engine
 from llmserve.engine.sampling_params import SamplingParams
+from llmserve.runners.base import TokenLogprobs
 
 
 @dataclass
@@ -21,9 +22,14 @@ class GenerationResult:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
+    # SamplingParams.prompt_logprobs: one per prompt token (the first None); None when not asked for.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
+        d = dataclasses.asdict(self)
+        if self.prompt_logprobs is None:
+            del d["prompt_logprobs"]
+        return d
 
 
 class LLM:
@@ -67,6 +73,8 @@ class LLM:
                 res = results[out.req_id]
                 res.token_ids.extend(out.new_token_ids)
                 res.text += out.new_text
+                if out.prompt_logprobs is not None:
+                    res.prompt_logprobs = out.prompt_logprobs
                 if out.finished:
                     res.finish_reason = out.finish_reason
                     if bar:

@@ -20,7 +20,7 @@ from llmserve.engine.output_processor import TextState, check_stop_token
 from llmserve.engine.request import FinishReason, Request
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
-from llmserve.runners.base import ModelRunner, StepBatch
+from llmserve.runners.base import ModelRunner, StepBatch, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -108,9 +108,10 @@ class LLMEngine:
         if n >= limit:
             raise ValueError(f"the prompt has {n} tokens; this engine serves at most {limit - 1}")
         vocab = self.runner.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the vocabulary [0, {vocab})")
+        for name, ids in (("prompt", prompt_token_ids), ("logit_bias", params.logit_bias)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
         # Never let one request outgrow the whole cache: it could then never run.
         params.max_tokens = min(params.max_tokens, limit - n)
         params.min_tokens = min(params.min_tokens, params.max_tokens)
@@ -176,6 +177,8 @@ class LLMEngine:
         self._sample_time += result.sample_time
         now = time.monotonic()
         outputs = []
+        if result.prompt_logprobs:
+            self._gather_prompt_logprobs(sched, result.prompt_logprobs)
         sampled = [c for c in sched.chunks if c.sample]
         logprobs = result.logprobs or [None] * len(sampled)
         for chunk, token, lp in zip(sampled, result.token_ids, logprobs):
@@ -191,6 +194,9 @@ class LLMEngine:
             if req.first_token_time is None:
                 req.first_token_time = now
                 out.ttft = now - req.arrival_time
+                if req.params.prompt_logprobs is not None:  # complete: this chunk ended the prompt
+                    out.prompt_logprobs = req.prompt_logprobs or [None] * req.num_prompt_tokens
+                    req.prompt_logprobs = None
             text = self._text[req.req_id]
             reason = check_stop_token(req, token, self.max_model_len)
             reason = text.append([token]) or reason
@@ -198,6 +204,7 @@ class LLMEngine:
                 req.finish_reason = reason
                 final = self._finish(req)
                 final.new_token_ids, final.logprobs, final.ttft = out.new_token_ids, out.logprobs, out.ttft
+                final.prompt_logprobs = out.prompt_logprobs
                 out = final
             else:
                 out.new_text = text.flush_text(finished=False)
@@ -207,6 +214,21 @@ class LLMEngine:
         self.scheduler.update(sched)
         self._output_time += time.perf_counter() - t2
         return outputs
+
+    @staticmethod
+    def _gather_prompt_logprobs(sched: SchedulerOutput, results: list[list[TokenLogprobs]]) -> None:
+        """Keep each asking chunk's prompt logprobs on its request until its first token goes out.
+        Positions re-run after a preemption keep the value they got first (it is not sent twice)."""
+        for chunk, lps in zip((c for c in sched.chunks if c.prompt_logprobs), results):
+            req = chunk.request
+            if req.is_finished:
+                continue
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] * req.num_prompt_tokens
+            got = req.prompt_logprobs
+            for p, lp in enumerate(lps, chunk.start + 1):
+                if got[p] is None:
+                    got[p] = lp
 
     def _finish(self, req: Request) -> RequestOutput:
         self.scheduler.remove(req)

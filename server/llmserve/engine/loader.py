@@ -9,7 +9,6 @@ directory and served.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
 from llmserve.config import Config
@@ -19,16 +18,16 @@ log = logging.getLogger(__name__)
 DEMO_SEED = 0
 
 
-def demo_model_dir() -> Path:
-    root = Path(os.environ.get("LLMSERVE_CACHE_DIR") or Path.home() / ".cache" / "llmserve")
-    return root / f"demo-{DEMO_SEED}"
+def demo_model_dir(config: Config | None = None) -> Path:
+    """Where the demo model lives: LLMSERVE_CACHE_DIR/demo-<seed> (of `config`, else of the environment)."""
+    return (config or Config.from_env()).cache_path / f"demo-{DEMO_SEED}"
 
 
-def ensure_demo_model() -> Path:
+def ensure_demo_model(config: Config | None = None) -> Path:
     """Build the demo model into the cache directory unless it is there already."""
     from llmserve.models.demo import export_demo
 
-    out = demo_model_dir()
+    out = demo_model_dir(config)
     if not (out / "rank_0" / "model.pdiparams").exists():
         log.info("building the demo model into %s", out)
         export_demo(out, seed=DEMO_SEED)
@@ -38,7 +37,7 @@ def ensure_demo_model() -> Path:
 def resolve_model_dir(config: Config) -> Path:
     d = config.model_dir
     if not d or (d.rstrip("/") == "/models" and not Path(d).is_dir()):
-        return ensure_demo_model()
+        return ensure_demo_model(config)
     if not Path(d).is_dir():
         raise FileNotFoundError(f"MODEL_DIR {d!r} is not a directory")
     return Path(d)

@@ -18,6 +18,9 @@ class RequestOutput:
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
     logprobs: list[TokenLogprobs] | None = None
+    # SamplingParams.prompt_logprobs: one entry per prompt token (the first None), whole, on the
+    # request's first output (the one with its first token); None on every other output.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     error: str | None = None
     # Seconds since arrival of the first token (set on the output that carries it).
     ttft: float | None = None

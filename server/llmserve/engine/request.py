@@ -5,8 +5,12 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from llmserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # runners.base imports this module
+    from llmserve.runners.base import TokenLogprobs
 
 PENDING = -1  # the id of a token sampled by a step still in flight
 
@@ -44,6 +48,9 @@ class Request:
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
+    # Prompt logprobs gathered over its prefill steps (entry p: token p given the tokens before it;
+    # entry 0 stays None), handed out whole with its first token. None when not asked for.
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -65,6 +72,12 @@ class Request:
     def done_sampling(self, max_model_len: int) -> bool:
         """Whether the tokens sampled (in flight included) already end it by length: nothing more to run."""
         return self.num_generated >= self.params.max_tokens or self.num_tokens >= max_model_len
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs, not handed out yet (they go with the first token): its prompt
+        positions must be computed (no prefix cache) and their logprobs returned."""
+        return self.params.prompt_logprobs is not None and self.first_token_time is None
 
     @property
     def all_token_ids(self) -> list[int]:

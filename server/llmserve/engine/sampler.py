@@ -1,4 +1,4 @@
-"""Host-side sampler (numpy): penalties, min length, temperature, top-k, top-p, seeds.
+"""Host-side sampler (numpy): logit bias, penalties, min length, temperature, top-k, top-p, seeds.
 
 Used by runners whose logits come back to the host (the Paddle runner). The
 CUDA runner implements the same definitions on the device.
@@ -15,6 +15,15 @@ import numpy as np
 from llmserve.engine.request import Request
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.runners.base import TokenLogprobs
+
+
+def bias_arrays(bias: dict[int, float], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """OpenAI logit_bias as (token ids int64, biases float32), ids past the vocabulary dropped
+    (SamplingParams cannot know the vocabulary; such a token can never be drawn anyway)."""
+    items = [(t, b) for t, b in bias.items() if t < vocab]
+    ids = np.fromiter((t for t, _ in items), dtype=np.int64, count=len(items))
+    vals = np.fromiter((b for _, b in items), dtype=np.float32, count=len(items))
+    return ids, vals
 
 
 def apply_penalties(
@@ -52,10 +61,20 @@ class Sampler:
     def __init__(self, seed: int = 0) -> None:
         self._seed_seq = np.random.SeedSequence(seed)
         self._rngs: dict[str, np.random.Generator] = {}
+        # req_id -> (its logit_bias dict, that dict as arrays): the bias is fixed for a request's life
+        self._bias: dict[str, tuple[dict[int, float], np.ndarray, np.ndarray]] = {}
 
     def drop(self, req_ids: list[str]) -> None:
         for rid in req_ids:
             self._rngs.pop(rid, None)
+            self._bias.pop(rid, None)
+
+    def _bias_of(self, req: Request, vocab: int) -> tuple[np.ndarray, np.ndarray]:
+        cached = self._bias.get(req.req_id)
+        # The identity check keeps a reused request id from inheriting a stale bias.
+        if cached is None or cached[0] is not req.params.logit_bias:
+            cached = self._bias[req.req_id] = (req.params.logit_bias, *bias_arrays(req.params.logit_bias, vocab))
+        return cached[1], cached[2]
 
     def _rng(self, req: Request) -> np.random.Generator:
         rng = self._rngs.get(req.req_id)
@@ -80,6 +99,11 @@ class Sampler:
 
     def sample_one(self, row: np.ndarray, req: Request) -> tuple[int, TokenLogprobs | None]:
         p = req.params
+        if p.logit_bias:
+            # Added to the raw logits first, as OpenAI and vLLM do: the penalties, the min_tokens ban,
+            # greedy's argmax, temperature and the top-k/top-p cuts all see the biased logits.
+            ids, vals = self._bias_of(req, row.shape[0])
+            row[ids] += vals  # ids are unique (dict keys), so no accumulation is needed
         apply_penalties(row, req.prompt_token_ids, req.output_token_ids, p)
         if len(req.output_token_ids) < p.min_tokens:
             banned = [t for t in req.eos_token_ids if 0 <= t < row.shape[0]]
@@ -90,6 +114,8 @@ class Sampler:
             token = self._draw(row / p.temperature, p, self._rng(req))
         lp = None
         if p.logprobs is not None:
+            # Logprobs of the processed logits before temperature: the bias shows in them, as the
+            # penalties and the min_tokens ban do (vLLM V1 by default reports logprobs of the raw logits, without it).
             ls = log_softmax(row)
             top = np.argsort(-ls, kind="stable")[: p.logprobs]
             lp = TokenLogprobs(float(ls[token]), [(int(t), float(ls[t])) for t in top])

@@ -15,6 +15,9 @@ it is scheduled, and a sampling chunk adds one pending token), so the next
 step can be scheduled while this one still runs on the device (overlapped
 scheduling). A request whose tokens in flight already reach its length limit
 is left out until its step's output ends it.
+
+A request that asks for prompt logprobs skips the prefix cache until they are handed out (with its
+first token), and its chunks over prompt positions ask the runner for them.
 """
 
 from __future__ import annotations
@@ -101,7 +104,8 @@ class Scheduler:
             req = self.waiting[0]
             if req.num_pending:  # preempted with a token in flight: wait until it is known
                 break
-            cached = self.bm.match_prefix(req)
+            # Prompt logprobs need every prompt position's logits: cached positions have none.
+            cached = [] if req.needs_prompt_logprobs else self.bm.match_prefix(req)
             computed = len(cached) * self.bm.block_size
             n = min(req.num_tokens - computed, budget, self.long_prefill_tokens)
             new_blocks = self.bm.blocks_for(computed + n) - len(cached)
@@ -130,6 +134,8 @@ class Scheduler:
     def _chunk(req: Request, n: int) -> SeqChunk:
         start = req.num_computed_tokens
         chunk = SeqChunk(req, start, n, sample=start + n == req.num_tokens)
+        # Positions re-run after a preemption ask again; the engine keeps the first value it got.
+        chunk.prompt_logprobs = req.needs_prompt_logprobs and start < req.num_prompt_tokens - 1
         req.num_computed_tokens = start + n
         req.num_pending += chunk.sample
         return chunk

@@ -21,7 +21,6 @@ import logging
 import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
-from pathlib import Path
 
 from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
@@ -30,11 +29,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve.config import Config
 from llmserve.http.errors import ApiError, Style, error_body, error_response
-from llmserve.http.native import HttpNativeRequest, handle_native
+from llmserve.http.native import handle_native
 from llmserve.http.openai import handle_chat, handle_completions
 from llmserve.http.server import die_with_parent
 from llmserve.http.triton_client import Backend, TritonBackend
-from llmserve.protocol.native import is_native_body
+from llmserve.protocol.native import NativeRequest, is_native_body, served_model_names
 from llmserve.protocol.openai import ChatCompletionRequest, CompletionRequest
 
 log = logging.getLogger("llmserve.http")
@@ -97,7 +96,16 @@ class FrontDoor:
         await self.app(scope, replay, send)
 
 
+def _is_json(content_type: str) -> bool:
+    media = content_type.split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 async def _json_body(request: Request) -> dict:
+    # Only JSON media types: a browser sends text/plain or a form cross-site without asking first.
+    ctype = request.headers.get("content-type", "")
+    if not _is_json(ctype):
+        raise ApiError(415, f"the body must be JSON: send Content-Type: application/json (got {ctype or 'none'!r})")
     raw = await request.body()
     if not raw.strip():
         raise ApiError(400, "the request body is empty; send a JSON object")
@@ -129,7 +137,9 @@ _ERRORS = {
         (401, "missing or wrong API key"),
         (408, "timed out"),
         (409, "duplicate req_id in flight"),
-        (413, "input over MAX_SEQ_LEN, or body too large"),
+        (404, "unknown model"),
+        (413, "native: input over MAX_SEQ_LEN; body too large"),
+        (415, "the body is not JSON (Content-Type)"),
         (429, "queue full (MAX_CACHED_TASK_NUM)"),
         (503, "not ready"),
     ]
@@ -152,8 +162,8 @@ def create_app(
 ) -> FastAPI:
     """The app; uvicorn calls it with no arguments in each worker (factory=True)."""
     cfg = config or Config.from_env()
-    make_backend = backend_factory or (lambda c: TritonBackend(f"127.0.0.1:{c.service_grpc_port}"))
-    model_id = Path(cfg.model_dir).name if cfg.model_dir and Path(cfg.model_dir).is_dir() else "default"
+    make_backend = backend_factory or (lambda c: TritonBackend(f"{c.local_host}:{c.service_grpc_port}"))
+    model_id = served_model_names(cfg.model_dir, cfg.served_model_name)[0]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -223,7 +233,7 @@ def create_app(
 
     # ---- the shared route: native or OpenAI chat -------------------------------------------
     shared_ok = openai_ok | {"application/x-ndjson": "native stream: one JSON object per line"}
-    shared_schema = {"oneOf": [_schema_ref("HttpNativeRequest"), _schema_ref("ChatCompletionRequest")]}
+    shared_schema = {"oneOf": [_schema_ref("NativeRequest"), _schema_ref("ChatCompletionRequest")]}
     shared_doc = _body_doc(shared_schema, shared_ok)
 
     @app.post(
@@ -251,7 +261,7 @@ def create_app(
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (HttpNativeRequest, CompletionRequest, ChatCompletionRequest):
+            for model in (NativeRequest, CompletionRequest, ChatCompletionRequest):
                 s = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(s.pop("$defs", {}))
                 comps[model.__name__] = s

@@ -22,6 +22,7 @@ OPENAI_TYPES = {
     408: "timeout_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_error",
     503: "service_unavailable_error",
@@ -34,6 +35,7 @@ OPENAI_CODES = {
     408: "timeout",
     409: "duplicate_request_id",
     413: "request_too_large",
+    415: "unsupported_media_type",
     429: "queue_full",
     500: "internal_error",
     503: "not_ready",
@@ -48,13 +50,13 @@ class ApiError(Exception):
         self.param = param
 
 
-def openai_error(status: int, message: str, param: str | None = None) -> dict:
+def openai_error(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     return {
         "error": {
             "message": message,
             "type": OPENAI_TYPES.get(status, "internal_error" if status >= 500 else "invalid_request_error"),
             "param": param,
-            "code": OPENAI_CODES.get(status, str(status)),
+            "code": code or OPENAI_CODES.get(status, str(status)),
         }
     }
 

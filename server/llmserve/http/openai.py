@@ -4,12 +4,16 @@ Each choice is one native request to Triton (see protocol/openai.py); the
 engine's items become OpenAI objects here. Streaming is SSE: one chunk per
 engine item (the last one carries `finish_reason`), an optional usage chunk
 (`stream_options.include_usage`), then `data: [DONE]`.
+
+No tokenizer here: the engine spells logprob tokens (with their text offsets)
+and sends the text of echoed token-id prompts (serving/responses.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -22,17 +26,19 @@ from llmserve.config import Config
 from llmserve.http.disconnect import until_disconnected
 from llmserve.http.errors import ApiError, openai_error, status_of
 from llmserve.http.fanout import fanout
-from llmserve.http.tokens import get_tokenizer
 from llmserve.http.triton_client import Backend
+from llmserve.protocol import native
 from llmserve.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIValidationError,
+    openai_param,
     parse_chat,
     parse_completion,
 )
 
 SSE = "text/event-stream"
+CONTEXT_ERROR = "maximum context length"
 
 
 @dataclass
@@ -41,11 +47,12 @@ class Choice:
 
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)  # engine entries (serving/responses.py)
     finish_reason: str | None = None
     usage: dict | None = None
     started: bool = False
     prefix_len: int = 0  # echoed prompt characters at the start of `text`
+    prompt_logprobs: list[dict] = field(default_factory=list)  # echo + logprobs
 
 
 class _Call:
@@ -60,71 +67,90 @@ class _Call:
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
+        # chat: logprobs true/false; completions: None or k >= 0 (0 is falsy but asks for them)
+        self.want_logprobs = req.logprobs is not None and req.logprobs is not False
 
     # ---- pieces ------------------------------------------------------------------
-    def echo_prefix(self, index: int) -> str:
+    def error(self, item: dict) -> tuple[int, dict]:
+        """(status, OpenAI error body) for an engine error item, naming the field the client sent."""
+        status = status_of(item["error_code"])
+        msg, native_param = item.get("error_msg", ""), item.get("error_param")
+        param = openai_param(self.req, native_param)
+        if param and native_param and param != native_param:
+            msg = re.sub(rf"\b{re.escape(native_param)}\b", param, msg, count=1)
+        code = None
+        if CONTEXT_ERROR in msg:  # vLLM's answer, which clients map to a context-window error
+            status, code = 400, "context_length_exceeded"
+        elif status == 404 and param == "model":
+            code = "model_not_found"
+        return status, openai_error(status, msg, param, code)
+
+    def echo_prefix(self, index: int, item: dict) -> str:
         req = self.req
         if self.chat or not req.echo:
             return ""
+        # The engine's text of the prompt when it sent one (token-id prompts; with logprobs, whose
+        # offsets count in it), else the prompt as sent.
         prompt = req.prompts()[index // req.n]
-        return prompt if isinstance(prompt, str) else get_tokenizer(self.config).decode(prompt)
+        return item.get("prompt_text", prompt if isinstance(prompt, str) else "")
 
-    def logprobs_of(self, entries: list[dict], offset: int) -> dict | None:
-        """OpenAI logprobs for engine entries {token_id, logprob, top: [[id, logprob], ...]}."""
-        want = self.req.logprobs
-        if want is None or want is False:
-            return None
-        tok = get_tokenizer(self.config)
-
-        def text(i: int) -> str:
-            return tok.decode([i], skip_special_tokens=False)
-
+    def logprobs_of(self, entries: list[dict], base: int, prompt: bool = False) -> dict | None:
+        """OpenAI logprobs of engine entries; `base`: where the entries' text starts in the choice's text."""
         if self.chat:
-            content = []
-            for e in entries:
-                top = [
-                    {"token": text(i), "logprob": lp, "bytes": list(tok.decode_token_bytes(i))}
-                    for i, lp in e.get("top", [])[: self.req.top_logprobs or 0]
-                ]
-                t = e["token_id"]
-                content.append(
-                    {
-                        "token": text(t),
-                        "logprob": e["logprob"],
-                        "bytes": list(tok.decode_token_bytes(t)),
-                        "top_logprobs": top,
-                    }
-                )
+            k = self.req.top_logprobs or 0
+            content = [
+                {
+                    "token": e["token"],
+                    "logprob": e["logprob"],
+                    "bytes": e["bytes"],
+                    "top_logprobs": [
+                        {"token": t["token"], "logprob": t["logprob"], "bytes": t["bytes"]} for t in e["top"][:k]
+                    ],
+                }
+                for e in entries
+            ]
             return {"content": content, "refusal": None}
-        tokens, offsets = [], []
+        k = self.req.logprobs
+        tops = []
         for e in entries:
-            offsets.append(offset)
-            tokens.append(text(e["token_id"]))
-            offset += len(tokens[-1])
+            if e["top"] is None:  # the prompt's first token: nothing before it to predict it
+                tops.append(None)
+                continue
+            top = {t["token"]: t["logprob"] for t in e["top"][:k]}
+            top.setdefault(e["token"], e["logprob"])  # the chosen token is always there (logprobs=0: only it)
+            tops.append(top)
         return {
-            "tokens": tokens,
+            "tokens": [e["token"] for e in entries],
             "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{text(i): lp for i, lp in e.get("top", [])[:want]} for e in entries],
-            "text_offset": offsets,
+            "top_logprobs": tops,
+            "text_offset": [base + e["text_offset"] for e in entries],
         }
 
     def usage(self) -> dict:
         # The prompt counts once per prompt, not once per choice (as OpenAI counts).
         n = self.req.n
-        prompt = sum((c.usage or {}).get("prompt_tokens", 0) for k, c in enumerate(self.choices) if k % n == 0)
+        firsts = [c.usage or {} for k, c in enumerate(self.choices) if k % n == 0]
+        prompt = sum(u.get("prompt_tokens", 0) for u in firsts)
+        cached = sum(u.get("cached_tokens", 0) for u in firsts)
         completion = sum((c.usage or {}).get("completion_tokens", len(c.token_ids)) for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached},
+        }
 
     def absorb(self, index: int, item: dict) -> tuple[str, dict | None]:
         """Fold an engine item into its choice; returns (text delta, logprobs of the delta)."""
         c = self.choices[index]
-        prefix = ""
+        prefix, prompt_entries = "", []
         if not c.started:
             c.started = True
-            prefix = self.echo_prefix(index)
+            prefix = self.echo_prefix(index, item)
             c.prefix_len = len(prefix)
             c.text = prefix
-        offset = len(c.text)
+            if prefix:
+                prompt_entries = c.prompt_logprobs = item.get("prompt_logprobs") or []
         token = item.get("token") or ""
         c.text += token
         c.token_ids += item.get("token_ids") or []
@@ -133,7 +159,13 @@ class _Call:
         if item.get("is_end"):
             c.finish_reason = item.get("finish_reason") or "stop"
             c.usage = item.get("usage")
-        return prefix + token, (self.logprobs_of(entries, offset) if entries else None)
+        if not self.want_logprobs or not (entries or prompt_entries):
+            return prefix + token, None
+        lp = self.logprobs_of(entries, c.prefix_len)
+        if prompt_entries:
+            head = self.logprobs_of(prompt_entries, 0)
+            lp = {k: head[k] + lp[k] for k in lp}
+        return prefix + token, lp
 
     # ---- responses ------------------------------------------------------------------
     def chunk(self, index: int, delta: str, logprobs: dict | None, finish: str | None, first: bool) -> dict:
@@ -149,7 +181,12 @@ class _Call:
     def final(self) -> dict:
         choices = []
         for k, c in enumerate(self.choices):
-            lp = self.logprobs_of(c.logprobs, c.prefix_len) if c.logprobs else None
+            lp = None
+            if self.want_logprobs:
+                lp = self.logprobs_of(c.logprobs, c.prefix_len)
+                if c.prompt_logprobs:
+                    head = self.logprobs_of(c.prompt_logprobs, 0)
+                    lp = {key: head[key] + lp[key] for key in lp}
             if self.chat:
                 msg = {"role": "assistant", "content": c.text}
                 choices.append({"index": k, "message": msg, "logprobs": lp, "finish_reason": c.finish_reason})
@@ -179,9 +216,17 @@ async def handle_chat(request: Request, body: dict, backend: Backend, config: Co
 
 def _parse(parse, body: dict):
     try:
-        return parse(body)
+        req = parse(body)
     except OpenAIValidationError as e:
         raise ApiError(400, e.message, e.param) from None
+    for native_body in req.to_native():  # the shared rules (protocol/native.py), named as the client sent them
+        try:
+            native.parse(native_body)
+        except native.NativeError as e:
+            param = openai_param(req, e.param)
+            msg = e.msg.replace(e.param, param, 1) if e.param and param else e.msg
+            raise ApiError(e.code, msg, param) from None
+    return req
 
 
 async def _handle(request: Request, req, backend: Backend, config: Config) -> Response:
@@ -194,9 +239,8 @@ async def _handle(request: Request, req, backend: Backend, config: Config) -> Re
         raise
     if first[1].get("error_code"):
         await merged.aclose()
-        item = first[1]
-        status = status_of(item["error_code"])
-        return JSONResponse(openai_error(status, item.get("error_msg", "")), status_code=status)
+        status, body = call.error(first[1])
+        return JSONResponse(body, status_code=status)
     if req.stream:
         return StreamingResponse(_stream(call, first, merged), media_type=SSE, headers={"Cache-Control": "no-cache"})
     out = await until_disconnected(request, _collect(call, first, merged))
@@ -213,8 +257,8 @@ async def _collect(call: _Call, first: tuple[int, dict], merged: AsyncIterator[t
         while True:
             index, item = got
             if item.get("error_code"):
-                status = status_of(item["error_code"])
-                return {**openai_error(status, item.get("error_msg", "")), "_status": status}
+                status, body = call.error(item)
+                return {**body, "_status": status}
             call.absorb(index, item)
             try:
                 got = await anext(merged)
@@ -232,7 +276,7 @@ async def _stream(
             index, item = got
             if item.get("error_code"):
                 # Mid-stream failure: an error event, then the end of the stream.
-                yield _sse(openai_error(status_of(item["error_code"]), item.get("error_msg", "")))
+                yield _sse(call.error(item)[1])
                 break
             first_of_choice = not call.choices[index].started
             delta, lp = call.absorb(index, item)

@@ -36,15 +36,15 @@ def die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m llmserve.http", description=__doc__)
-    p.add_argument("--host", default=os.environ.get("LLMSERVE_HOST", "0.0.0.0"), help="address to bind")
-    p.add_argument("--log-level", default="info")
-    args = p.parse_args(argv)
     try:
         cfg = Config.from_env()
     except ConfigError as e:
         print(f"llmserve.http: {e}", file=sys.stderr)
         return 2
+    p = argparse.ArgumentParser(prog="python -m llmserve.http", description=__doc__)
+    p.add_argument("--host", default=cfg.host, help="address to bind (default LLMSERVE_HOST: %(default)s)")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
     if cfg.service_http_port == -1:
         print("llmserve.http: SERVICE_HTTP_PORT=-1, no HTTP front end")
         return 0

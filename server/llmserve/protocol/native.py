@@ -1,9 +1,13 @@
 """The native (PaddleNLP-style) request and response, shared by Triton and HTTP.
 
-A request is one JSON object (ARCHITECTURE.md, "Native protocol"). `parse`
-validates its shape; `admit` checks it against the serving limits once the
-prompt is tokenized and builds the engine's SamplingParams. Every rejection is
-a `NativeError` whose code is also the HTTP status the front end answers with.
+A request is one JSON object (ARCHITECTURE.md, "Native protocol"; every field,
+its rule and its default: docs/api.md). It is parsed and checked once, where it
+enters the engine (the engine server's admission): `parse` checks its shape,
+`admit` checks it against the serving limits and the model once the prompt is
+tokenized, and builds the engine's SamplingParams. The OpenAI layer builds native
+requests and leaves these rules to this module. Every rejection is a
+`NativeError` whose code is also the HTTP status the front end answers with and
+whose `param` names the field at fault.
 
 Beyond the seeds: `temperature: 0` (or `topp: 0`) means greedy decoding.
 """
@@ -21,12 +25,16 @@ from llmserve.protocol import error_response as error_response  # re-exported: t
 
 # Error codes: also the HTTP status of the error.
 BAD_REQUEST = 400
+NOT_FOUND = 404
 TIMEOUT = 408
 DUPLICATE = 409
 TOO_LONG = 413
 QUEUE_FULL = 429
 INTERNAL = 500
 NOT_READY = 503
+
+INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
+PROMPT_FIELDS = ("text", "messages", "input_ids")
 
 # Fields only the native protocol has: a body holding one of them is native.
 NATIVE_ONLY_FIELDS = frozenset(
@@ -36,22 +44,25 @@ NATIVE_ONLY_FIELDS = frozenset(
 
 
 class NativeError(Exception):
-    def __init__(self, code: int, msg: str) -> None:
+    def __init__(self, code: int, msg: str, param: str | None = None) -> None:
         super().__init__(msg)
         self.code = code
         self.msg = msg
+        self.param = param
 
 
 class Message(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow")  # extra keys (name, tool_call_id, ...) reach the chat template
     role: Literal["system", "user", "assistant", "tool"]
     content: str
 
 
 class NativeRequest(BaseModel):
-    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+    # An unknown field is refused (400 naming it), never ignored.
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
     req_id: str = Field(default_factory=lambda: str(uuid.uuid4()), min_length=1, max_length=256)
+    model: str | None = Field(default=None, description="checked against the served names when given")
     text: str | None = None
     messages: list[Message] | None = None
     input_ids: list[int] | None = None
@@ -60,27 +71,57 @@ class NativeRequest(BaseModel):
     min_dec_len: int = Field(default=1, ge=0)
     topp: float = Field(default=0.7, ge=0.0, le=1.0, validation_alias=AliasChoices("topp", "top_p"))
     top_k: int = Field(default=0, ge=0)
-    temperature: float = Field(default=0.95, ge=0.0)
-    frequency_score: float = 0.0
-    penalty_score: float = Field(default=1.0, gt=0.0)
-    presence_score: float = 0.0
+    temperature: float = Field(default=0.95, ge=0.0, allow_inf_nan=False)
+    frequency_score: float = Field(default=0.0, allow_inf_nan=False)
+    penalty_score: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    presence_score: float = Field(default=0.0, allow_inf_nan=False)
     stream: bool = False
     timeout: float = Field(default=300.0, gt=0.0)
     return_usage: bool = False
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     stop_sequences: list[str] = Field(default_factory=list, validation_alias=AliasChoices("stop_sequences", "stop"))
     eos_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=20, description="top-k logprobs per token (0: the chosen only)")
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=20, description="the same for the prompt's tokens")
+    logit_bias: dict[str, float] = Field(default_factory=dict, description="token id -> bias in [-100, 100]")
+    echo: bool = Field(default=False, description="the first response carries `prompt_text`")
 
     @field_validator("stop_sequences", mode="before")
     @classmethod
     def _one_stop(cls, v: Any) -> Any:
         return [v] if isinstance(v, str) else ([] if v is None else v)
 
+    @field_validator("stop_sequences")
+    @classmethod
+    def _no_empty_stop(cls, v: list[str]) -> list[str]:
+        if any(not s for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
     @field_validator("eos_token_ids", mode="before")
     @classmethod
     def _one_eos(cls, v: Any) -> Any:
         return [v] if isinstance(v, int) else ([] if v is None else v)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias(cls, v: dict[str, float]) -> dict[str, float]:
+        for key, bias in v.items():
+            if not key.isdigit():
+                raise ValueError(f"keys must be token ids (integers >= 0), got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"biases must be in [-100, 100], got {bias} for token {key}")
+        return v
+
+    @property
+    def prompt_field(self) -> str:
+        return next((k for k in PROMPT_FIELDS if getattr(self, k) is not None), "text")
+
+
+def _loc(loc: tuple) -> str:
+    # Drop pydantic's union-branch tags ("list[int]", "function-after[...]") so the path names the field.
+    return ".".join(str(x) for x in loc if isinstance(x, int) or not any(c in str(x) for c in "[]-")) or "body"
 
 
 def parse(body: bytes | str | dict) -> NativeRequest:
@@ -95,13 +136,18 @@ def parse(body: bytes | str | dict) -> NativeRequest:
     try:
         req = NativeRequest.model_validate(body)
     except ValidationError as e:
-        errs = "; ".join(f"{'.'.join(map(str, err['loc'])) or 'body'}: {err['msg']}" for err in e.errors())
-        raise NativeError(BAD_REQUEST, f"invalid request: {errs}") from None
-    given = [k for k in ("text", "messages", "input_ids") if getattr(req, k) is not None]
+        errs = e.errors()
+        msgs = []
+        for err in errs:
+            where = _loc(err["loc"])
+            why = "unknown field" if err["type"] == "extra_forbidden" else err["msg"].removeprefix("Value error, ")
+            msgs.append(f"{where}: {why}")
+        raise NativeError(BAD_REQUEST, "invalid request: " + "; ".join(msgs), _loc(errs[0]["loc"])) from None
+    given = [k for k in PROMPT_FIELDS if getattr(req, k) is not None]
     if len(given) != 1:
-        raise NativeError(BAD_REQUEST, "give exactly one of `text`, `messages` or `input_ids`")
-    if req.messages is not None and not req.messages:
-        raise NativeError(BAD_REQUEST, "`messages` is empty")
+        raise NativeError(BAD_REQUEST, "give exactly one of `text`, `messages` or `input_ids`", "text")
+    if not getattr(req, given[0]):
+        raise NativeError(BAD_REQUEST, f"{given[0]}: the prompt is empty", given[0])
     return req
 
 
@@ -121,42 +167,73 @@ def prompt_token_ids(req: NativeRequest, tokenizer) -> list[int]:
     try:
         return tokenizer.encode_chat(messages)
     except ValueError as e:  # ChatTemplateError
-        raise NativeError(BAD_REQUEST, f"chat template: {e}") from None
+        raise NativeError(BAD_REQUEST, f"chat template: {e}", req.prompt_field) from None
 
 
-def admit(req: NativeRequest, num_prompt_tokens: int, max_seq_len: int, max_dec_len: int) -> SamplingParams:
-    """Check the limits (MAX_SEQ_LEN, MAX_DEC_LEN) and map the fields to SamplingParams."""
-    n = num_prompt_tokens
-    if n == 0:
-        raise NativeError(BAD_REQUEST, "the prompt is empty")
-    if n >= max_seq_len:
-        raise NativeError(
-            TOO_LONG, f"the input has {n} tokens; MAX_SEQ_LEN={max_seq_len} allows at most {max_seq_len - 1}"
+def context_overflow(context: int, prompt: int, completion: int | None = None) -> str:
+    """The message OpenAI clients recognise as a context-length error (vLLM's wording; litellm maps it)."""
+    if completion is None:
+        return (
+            f"This model's maximum context length is {context} tokens. However, your request has {prompt} input "
+            f"tokens. Please reduce the length of the input."
         )
+    return (
+        f"This model's maximum context length is {context} tokens. However, you requested {prompt + completion} "
+        f"tokens ({prompt} in the input, {completion} in the completion). Please reduce the length of the input "
+        f"or completion."
+    )
+
+
+def admit(
+    req: NativeRequest, prompt_ids: list[int], max_seq_len: int, max_dec_len: int, vocab_size: int | None = None
+) -> SamplingParams:
+    """Check the request against the limits (MAX_SEQ_LEN: the context, MAX_DEC_LEN) and the model's
+    vocabulary, and map its fields to SamplingParams."""
+    n = len(prompt_ids)
+    if n == 0:
+        raise NativeError(BAD_REQUEST, f"{req.prompt_field}: the prompt is empty", req.prompt_field)
+    if n >= max_seq_len:  # at least one token must fit after the prompt
+        raise NativeError(TOO_LONG, context_overflow(max_seq_len, n), req.prompt_field)
     for name in ("max_dec_len", "min_dec_len"):
         v = getattr(req, name)
         if v is not None and v > max_dec_len:
-            raise NativeError(BAD_REQUEST, f"{name}={v} exceeds MAX_DEC_LEN={max_dec_len}")
-    # Default: what is left of MAX_SEQ_LEN, within MAX_DEC_LEN.
-    max_tokens = min(req.max_dec_len or max_dec_len, max_dec_len, max_seq_len - n)
+            raise NativeError(BAD_REQUEST, f"{name}: {v} exceeds MAX_DEC_LEN={max_dec_len}", name)
+    if req.max_dec_len is not None and n + req.max_dec_len > max_seq_len:
+        raise NativeError(BAD_REQUEST, context_overflow(max_seq_len, n, req.max_dec_len), "max_dec_len")
+    bias = {int(k): v for k, v in req.logit_bias.items()}
+    if vocab_size is not None:
+        for name, toks in (("input_ids", prompt_ids), ("eos_token_ids", req.eos_token_ids), ("logit_bias", bias)):
+            bad = next((t for t in toks if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                name = req.prompt_field if name == "input_ids" else name
+                raise NativeError(
+                    BAD_REQUEST, f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", name
+                )
+    # Default: what is left of the context, within MAX_DEC_LEN.
+    max_tokens = req.max_dec_len or min(max_dec_len, max_seq_len - n)
     greedy = req.temperature == 0.0 or req.topp == 0.0
+    top_k = min(req.top_k, vocab_size) if vocab_size else req.top_k  # more than the vocabulary: no cut
     try:
         return SamplingParams(
             max_tokens=max_tokens,
             min_tokens=min(req.min_dec_len, max_tokens),
             temperature=0.0 if greedy else req.temperature,
             top_p=1.0 if greedy else req.topp,
-            top_k=req.top_k,
+            top_k=top_k,
             repetition_penalty=req.penalty_score,
             frequency_penalty=req.frequency_score,
             presence_penalty=req.presence_score,
-            seed=req.seed,
+            # The samplers take 64 bits: a negative int64 seed is its two's complement.
+            seed=None if req.seed is None else req.seed & 0xFFFFFFFFFFFFFFFF,
             stop=list(req.stop_sequences),
             stop_token_ids=list(req.eos_token_ids),
+            ignore_eos=req.ignore_eos,
             logprobs=req.logprobs,
+            prompt_logprobs=req.prompt_logprobs,
+            logit_bias=bias,
         )
     except ValueError as e:
-        raise NativeError(BAD_REQUEST, str(e)) from None
+        raise NativeError(BAD_REQUEST, str(e), str(e).split(":", 1)[0]) from None
 
 
 # ---- responses ---------------------------------------------------------------
@@ -172,3 +249,16 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) ->
 def is_native_body(body: dict) -> bool:
     """Native when it holds a native-only field or has no `model` (else OpenAI)."""
     return bool(NATIVE_ONLY_FIELDS & body.keys()) or "model" not in body
+
+
+def served_model_names(model_dir: str, served_name: str = "") -> list[str]:
+    """The names a request's `model` may take: the served one first (what /v1/models lists), then
+    `default` (the seeds' examples use it), MODEL_DIR as given and its last part."""
+    base = model_dir.rstrip("/").rsplit("/", 1)[-1] if model_dir else ""
+    names = [served_name or base or "default", "default", model_dir, base]
+    return list(dict.fromkeys(n for n in names if n))
+
+
+def check_model(name: str | None, served: list[str]) -> None:
+    if name is not None and name not in served:
+        raise NativeError(NOT_FOUND, f"The model `{name}` does not exist; this server serves `{served[0]}`.", "model")

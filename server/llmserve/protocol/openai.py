@@ -3,11 +3,17 @@
 The HTTP front end validates `/v1/completions` and `/v1/chat/completions`
 bodies with these models, then sends each choice to Triton as one native
 request (ARCHITECTURE.md, "Native protocol"): `n` choices and list prompts
-become several native requests, answered together.
+become several native requests, answered together. What only OpenAI has (its
+field names, ranges and defaults, `n`, `echo`, `stream_options`) is checked
+here; what both protocols share (limits, the vocabulary, the model name) is
+checked once, where every native request is admitted (protocol/native.py), and
+its errors come back naming the OpenAI field (`NATIVE_TO_OPENAI`).
 
 Models are strict (no "5" for 5, no 1 for true): a wrong type is a 400 naming
-the field. Unknown fields are ignored, as OpenAI's own clients send extras.
-Beyond OpenAI: `top_k`, `repetition_penalty` and `min_tokens` pass through.
+the field. An unknown field is a 400 naming it, as OpenAI answers; fields of
+features not built yet (`tools`, `response_format`, ...) are refused by name.
+Beyond OpenAI (vLLM's extensions): `top_k`, `repetition_penalty`, `min_tokens`,
+`ignore_eos`.
 """
 
 from __future__ import annotations
@@ -17,7 +23,22 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llmserve.protocol.native import INT64_MAX, INT64_MIN
+
 MAX_N = 16  # choices per request (n x prompts), so one body cannot flood the queue
+MAX_STOPS = 4  # as OpenAI
+
+# A native field named by an admission error -> the OpenAI field the client sent.
+NATIVE_TO_OPENAI = {
+    "max_dec_len": "max_tokens",
+    "min_dec_len": "min_tokens",
+    "topp": "top_p",
+    "penalty_score": "repetition_penalty",
+    "frequency_score": "frequency_penalty",
+    "presence_score": "presence_penalty",
+    "stop_sequences": "stop",
+    "prompt_logprobs": "logprobs",
+}
 
 
 class OpenAIValidationError(ValueError):
@@ -30,14 +51,18 @@ class OpenAIValidationError(ValueError):
 
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
+
+
+def _refuse(name: str, why: str = "is not supported by this server yet") -> OpenAIValidationError:
+    return OpenAIValidationError(f"{name}: {why}", name)
 
 
 class _Sampling(BaseModel):
     """Fields shared by completions and chat completions."""
 
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, description="tokens to generate at most")
@@ -45,24 +70,51 @@ class _Sampling(BaseModel):
     top_p: float | None = Field(default=None, gt=0.0, le=1.0, description="nucleus sampling (default 1)")
     n: int = Field(default=1, ge=1, le=MAX_N, description="choices to generate")
     stream: bool = False
-    stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = Field(default=None, description="stop strings (not returned in the text)")
+    stream_options: StreamOptions | None = Field(default=None, description="only with stream: true")
+    stop: str | list[str] | None = Field(default=None, description="up to 4 stop strings (not returned in the text)")
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    seed: int | None = Field(default=None, description="seeds choice i with seed + i")
-    user: str | None = None
+    logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100]")
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX, description="choice i uses seed + i")
+    user: str | None = Field(default=None, description="accepted (OpenAI's abuse monitoring; none here)")
     # Extensions (vLLM-style).
     top_k: int | None = Field(default=None, ge=0, description="extension: top-k sampling (0: off)")
     repetition_penalty: float | None = Field(default=None, gt=0.0, description="extension: native penalty_score")
     min_tokens: int | None = Field(default=None, ge=0, description="extension: native min_dec_len")
+    ignore_eos: bool = Field(default=False, description="extension: go on past end-of-sequence tokens")
+    # Features not built yet: refused by name unless they ask for nothing.
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    functions: Any = None
+    function_call: Any = None
 
     @field_validator("stop")
     @classmethod
     def _stops(cls, v: str | list[str] | None) -> list[str]:
         stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > MAX_STOPS:
+            raise ValueError(f"at most {MAX_STOPS} stop strings, got {len(stops)}")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return stops
+
+    @model_validator(mode="after")
+    def _common(self):
+        if self.stream_options is not None and not self.stream:
+            raise _refuse("stream_options", "only allowed when stream is true")
+        rf = self.response_format
+        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text" and len(rf) == 1):
+            raise _refuse("response_format", "structured output (json_object, json_schema) is not supported yet")
+        if self.tools:
+            raise _refuse("tools", "tool calling is not supported yet")
+        if self.tool_choice not in (None, "none"):
+            raise _refuse("tool_choice", "tool calling is not supported yet (only `none`)")
+        for name in ("parallel_tool_calls", "functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise _refuse(name, "tool calling is not supported yet")
+        return self
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -71,6 +123,7 @@ class _Sampling(BaseModel):
         """The native request fields for choice `index` (prompt fields aside)."""
         body: dict[str, Any] = {
             "req_id": f"{uuid.uuid4().hex}-{index}",
+            "model": self.model,
             "temperature": 1.0 if self.temperature is None else self.temperature,
             "topp": 1.0 if self.top_p is None else self.top_p,
             "presence_score": self.presence_penalty,
@@ -85,8 +138,12 @@ class _Sampling(BaseModel):
             body["max_dec_len"] = max_tokens
         if self.top_k is not None:
             body["top_k"] = self.top_k
-        if self.seed is not None:
-            body["seed"] = self.seed + index
+        if self.seed is not None:  # wraps within int64, as the engine takes it
+            body["seed"] = (self.seed + index - INT64_MIN) % (1 << 64) + INT64_MIN
+        if self.logit_bias:
+            body["logit_bias"] = self.logit_bias
+        if self.ignore_eos:
+            body["ignore_eos"] = True
         return body
 
 
@@ -97,9 +154,10 @@ class CompletionRequest(_Sampling):
         description="text, texts, token ids, or lists of token ids (one choice group each)"
     )
     max_tokens: int | None = Field(default=16, ge=1, description="tokens to generate at most (default 16)")
-    echo: bool = Field(default=False, description="prepend the prompt to the text")
+    echo: bool = Field(default=False, description="prepend the prompt to the text (and its logprobs)")
     logprobs: int | None = Field(default=None, ge=0, le=5, description="log-probabilities of the top k tokens")
     suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1, description="only 1 (or n)")
 
     @field_validator("prompt")
     @classmethod
@@ -118,7 +176,9 @@ class CompletionRequest(_Sampling):
     @model_validator(mode="after")
     def _sizes(self) -> CompletionRequest:
         if self.suffix:
-            raise OpenAIValidationError("suffix is not supported", "suffix")
+            raise _refuse("suffix", "is not supported (insertion needs a fill-in-the-middle model)")
+        if self.best_of is not None and self.best_of != self.n:
+            raise _refuse("best_of", f"only best_of = n ({self.n}) is supported")
         if len(self.prompts()) * self.n > MAX_N:
             raise OpenAIValidationError(f"prompts x n must be at most {MAX_N}", "n")
         return self
@@ -138,27 +198,37 @@ class CompletionRequest(_Sampling):
                 body["text" if isinstance(prompt, str) else "input_ids"] = prompt
                 if self.logprobs is not None:
                     body["logprobs"] = self.logprobs
+                    if self.echo:  # the prompt's tokens are echoed with their logprobs too
+                        body["prompt_logprobs"] = self.logprobs
+                if self.echo and not isinstance(prompt, str):
+                    body["echo"] = True  # the engine sends the token ids' text back
                 out.append(body)
         return out
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_call_id: str | None = None
 
     def flat(self) -> dict[str, str]:
-        """{role, content} as the chat template wants it (text parts joined; developer is system)."""
+        """{role, content} as the chat template wants it (text parts joined; developer is system);
+        `name` and `tool_call_id` go along for templates that use them."""
         c = self.content
         text = c if isinstance(c, str) else "".join(p.text for p in c or [])
-        return {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        for k in ("name", "tool_call_id"):
+            if getattr(self, k) is not None:
+                out[k] = getattr(self, k)
+        return out
 
 
 class ChatCompletionRequest(_Sampling):
@@ -193,8 +263,11 @@ def _is_type_tag(s: str) -> bool:
 
 
 def _error_from(e: ValidationError) -> OpenAIValidationError:
-    """The first error, as `field: message`, with the field as `param`."""
+    """The first error, as `field: message`, with the field as `param` (OpenAI's wording for an unknown one)."""
     err = e.errors()[0]
+    if err["type"] == "extra_forbidden":
+        loc = ".".join(str(x) for x in err["loc"])
+        return OpenAIValidationError(f"Unrecognized request argument supplied: {loc}", loc)
     # Drop union-branch names (e.g. "list[int]") so the path names the field.
     loc = [str(x) for x in err["loc"] if isinstance(x, int) or not _is_type_tag(str(x))]
     param = ".".join(loc) or None
@@ -217,3 +290,17 @@ def parse_chat(body: dict) -> ChatCompletionRequest:
         return ChatCompletionRequest.model_validate(body)
     except ValidationError as e:
         raise _error_from(e) from None
+
+
+def openai_param(req: CompletionRequest | ChatCompletionRequest, native: str | None) -> str | None:
+    """The OpenAI field the client sent, for a native field named by an admission error."""
+    if native is None:
+        return None
+    chat = isinstance(req, ChatCompletionRequest)
+    if native in ("text", "input_ids", "messages"):
+        return "messages" if chat else "prompt"
+    if native == "max_dec_len" and chat and req.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    if native == "logprobs" and chat:
+        return "top_logprobs"
+    return NATIVE_TO_OPENAI.get(native, native)

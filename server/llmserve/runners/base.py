@@ -10,6 +10,11 @@ tokens of one request, causal among themselves and attending to the cached
 prefix) and decode tokens (one token each). Every chunk writes its tokens'
 K/V into the request's blocks: token at position p lives in slot
 `block_table[p // block_size] * block_size + p % block_size`.
+
+Prompt logprobs: a chunk with `prompt_logprobs` set also wants the logits of its prompt positions.
+Position p's logits predict token p + 1, so positions `start .. min(start + n, P - 1) - 1` (P: prompt
+length) give the logprobs of prompt tokens `start + 1 ..`; the last prompt position predicts the first
+sampled token and gives none. A prompt chunked over several steps gets its part in each.
 """
 
 from __future__ import annotations
@@ -26,10 +31,23 @@ class SeqChunk:
     start: int  # position of the chunk's first token (== tokens already in the cache)
     num_tokens: int
     sample: bool  # True when the chunk ends at the request's last token: sample the next one
+    # Also return the logprobs of the prompt tokens this chunk's positions predict (see the module doc).
+    prompt_logprobs: bool = False
 
     @property
     def token_ids(self) -> list[int]:
         return self.request.token_ids_slice(self.start, self.start + self.num_tokens)
+
+    @property
+    def num_prompt_logprobs(self) -> int:
+        """Positions of this chunk that give a prompt logprob (0 unless `prompt_logprobs`)."""
+        if not self.prompt_logprobs:
+            return 0
+        return max(0, min(self.start + self.num_tokens, self.request.num_prompt_tokens - 1) - self.start)
+
+    def prompt_logprob_targets(self) -> list[int]:
+        """The prompt tokens its positions predict: tokens start + 1 .. start + num_prompt_logprobs."""
+        return self.request.prompt_token_ids[self.start + 1 : self.start + 1 + self.num_prompt_logprobs]
 
 
 @dataclass
@@ -58,6 +76,9 @@ class StepResult:
     logprobs: list[TokenLogprobs | None] | None = None
     model_time: float = 0.0  # seconds inside the model run (for host-overhead accounting)
     sample_time: float = 0.0  # seconds sampling (host samplers; 0 when fused on the device)
+    # One entry per chunk with prompt_logprobs=True, in batch order: the logprobs of the prompt tokens
+    # start + 1 .. start + num_prompt_logprobs (raw model distribution: log_softmax of the logits).
+    prompt_logprobs: list[list[TokenLogprobs]] | None = None
 
 
 class ModelRunner(abc.ABC):
@@ -92,3 +113,19 @@ class ModelRunner(abc.ABC):
 
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release device memory and helper threads."""
+
+
+def split_prompt_logprobs(
+    chunks: list[SeqChunk], chosen: list[float], top_ids: list[list[int]], top_vals: list[list[float]]
+) -> list[list[TokenLogprobs]]:
+    """Per asking chunk (in order), its TokenLogprobs from rows laid out chunk after chunk:
+    `chosen[r]` the target's logprob, `top_*[r]` the best ids / logprobs (best first, at least each
+    chunk's k of them)."""
+    out, r = [], 0
+    for c in chunks:
+        if not c.prompt_logprobs:
+            continue
+        k, m = c.request.params.prompt_logprobs or 0, c.num_prompt_logprobs
+        out.append([TokenLogprobs(chosen[i], list(zip(top_ids[i][:k], top_vals[i][:k]))) for i in range(r, r + m)])
+        r += m
+    return out

@@ -1,15 +1,22 @@
 """`start` and `stop` behind start_server.sh / stop_server.sh.
 
 start: validate every setting and check every port *before* anything starts,
+move the last start's logs aside (LOG_DIR/engine.log -> engine.log.1 ...),
 launch the supervisor in its own session (logs under LOG_DIR, or the console
-with OUTPUT_LOG_TO_CONSOLE=1), wait until /v2/health/ready answers 200, print
-the endpoints. stop: SIGTERM the supervisor, wait (LLMSERVE_STOP_TIMEOUT,
-default 30 s), then kill what is left of its process group and remove its
-/dev/shm regions. The run file LOG_DIR/llmserve.run.json ties the two together.
+with OUTPUT_LOG_TO_CONSOLE=1), wait until /v2/health/ready answers 200 (up to
+LLMSERVE_START_TIMEOUT), print the endpoints. stop: SIGTERM the supervisor, wait
+(LLMSERVE_STOP_TIMEOUT, default 30 s), then kill what is left of its process
+group and remove its /dev/shm regions. The run file LOG_DIR/llmserve.run.json
+ties the two together.
+
+A bad setting is one line naming each bad variable and exit code 2: start then
+starts nothing; stop still stops the stack (with the defaults in place of what
+it cannot read), since that is what its caller wants done.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import signal
@@ -22,35 +29,71 @@ import urllib.request
 from pathlib import Path
 
 from llmserve.config import Config, ConfigError
-from llmserve.serving.supervisor import bind_host, http_frontend_enabled
+from llmserve.serving.supervisor import http_frontend_enabled
 from llmserve.triton.launcher import shm_prefix
 
 RUN_FILE = "llmserve.run.json"
+LOG_GENERATIONS = 5  # a start keeps the logs of this many earlier starts: engine.log.1 (the last) .. engine.log.5
 
 
-def port_problems(cfg: Config, host: str) -> list[str]:
-    """One message per port that is taken (or set twice), naming its variable."""
+def stack_ports(cfg: Config) -> dict[str, tuple[int, str]]:
+    """Every port the stack listens on: variable -> (port, address it binds). The engine IPC port is
+    loopback only; the engine's link to its core process is an ephemeral loopback port the OS picks."""
     ports = {
-        "HEALTH_HTTP_PORT": (cfg.health_http_port, host),
-        "SERVICE_GRPC_PORT": (cfg.service_grpc_port, host),
-        "METRICS_HTTP_PORT": (cfg.metrics_http_port, host),
+        "HEALTH_HTTP_PORT": (cfg.health_http_port, cfg.host),
+        "SERVICE_GRPC_PORT": (cfg.service_grpc_port, cfg.host),
+        "METRICS_HTTP_PORT": (cfg.metrics_http_port, cfg.host),
         "INTER_PROC_PORT": (cfg.inter_proc_port, "127.0.0.1"),
     }
+    if cfg.triton_metrics_port != -1:
+        ports["TRITON_METRICS_PORT"] = (cfg.triton_metrics_port, cfg.host)
     if http_frontend_enabled(cfg):
-        ports["SERVICE_HTTP_PORT"] = (cfg.service_http_port, host)
-    problems, seen = [], {}
-    for name, (port, h) in ports.items():
+        ports["SERVICE_HTTP_PORT"] = (cfg.service_http_port, cfg.host)
+    return ports
+
+
+def port_problems(cfg: Config) -> list[str]:
+    """One message per port that is taken, set twice or cannot be bound, naming its variable."""
+    problems: list[str] = []
+    seen: dict[int, str] = {}
+    for name, (port, host) in stack_ports(cfg).items():
+        if port == -1:
+            problems.append(f"{name}=-1: this port cannot be turned off")
+            continue
         if port in seen:
             problems.append(f"{name}={port} is the same port as {seen[port]}")
             continue
         seen[port] = name
-        with socket.socket() as s:
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
-                s.bind((h, port))
+                s.bind((host, port))
+            except socket.gaierror as e:
+                problems.append(f"LLMSERVE_HOST={host!r} is not an address of this machine ({e.strerror})")
+                break  # every other port would say the same
             except OSError as e:
-                problems.append(f"port {port} ({name}) is already in use on {h}: {e.strerror}")
+                if e.errno == errno.EADDRINUSE:
+                    problems.append(f"port {port} ({name}) is already in use on {host}: {e.strerror}")
+                elif e.errno == errno.EADDRNOTAVAIL and host == cfg.host:
+                    problems.append(f"LLMSERVE_HOST={host!r} is not an address of this machine ({e.strerror})")
+                    break
+                else:
+                    problems.append(f"port {port} ({name}) cannot be bound on {host}: {e.strerror}")
     return problems
+
+
+def rotate_logs(log_dir: Path, keep: int = LOG_GENERATIONS) -> None:
+    """Move the last start's logs aside (x.log -> x.log.1 -> ... -> x.log.<keep>, the oldest dropped),
+    so that each start's logs stand alone. Within one start, children restarted by the supervisor
+    still append to theirs (the lines before a crash are what explains it)."""
+    for log in log_dir.glob("*.log"):
+        if not log.is_file():
+            continue  # not ours to move (a directory named server.log is then reported as unwritable)
+        for i in range(keep - 1, 0, -1):
+            older = log.with_name(f"{log.name}.{i}")
+            if older.exists():
+                os.replace(older, log.with_name(f"{log.name}.{i + 1}"))
+        os.replace(log, log.with_name(f"{log.name}.1"))
 
 
 def _alive(pid: int) -> bool:
@@ -80,9 +123,9 @@ def _group_members(pgid: int) -> list[int]:
     return members
 
 
-def _ready(port: int) -> tuple[int, str]:
+def _ready(host: str, port: int) -> tuple[int, str]:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/v2/health/ready", timeout=2) as r:
+        with urllib.request.urlopen(f"http://{host}:{port}/v2/health/ready", timeout=2) as r:
             return r.status, r.read().decode()
     except urllib.error.HTTPError as e:
         return e.code, e.read().decode()
@@ -98,12 +141,12 @@ def _tail(path: Path, n: int = 30) -> str:
 
 
 def start() -> int:
+    # Every setting is read (and checked) here, once, before anything starts.
     try:
         cfg = Config.from_env()
     except ConfigError as e:
         print(f"start_server: {e}", file=sys.stderr)
         return 2
-    host = bind_host()
     log_dir = Path(cfg.log_dir)
     run_file = log_dir / RUN_FILE
     if run_file.exists():
@@ -111,7 +154,7 @@ def start() -> int:
         if _alive(pid):
             print(f"start_server: already running (pid {pid}); run stop_server.sh first", file=sys.stderr)
             return 2
-    problems = port_problems(cfg, host)
+    problems = port_problems(cfg)
     if problems:
         for p in problems:
             print(f"start_server: {p}", file=sys.stderr)
@@ -122,6 +165,8 @@ def start() -> int:
         probe = log_dir / f".llmserve-write-test-{os.getpid()}"
         probe.write_bytes(b"ok")
         probe.unlink()
+        if not cfg.output_log_to_console:
+            rotate_logs(log_dir)
         out = None if cfg.output_log_to_console else open(log_dir / "server.log", "ab")  # noqa: SIM115
     except OSError as e:
         where = e.filename or log_dir
@@ -139,7 +184,7 @@ def start() -> int:
             {"pid": proc.pid, "shm_prefix": shm_prefix(cfg.service_grpc_port), "health_port": cfg.health_http_port}
         )
     )
-    timeout = float(os.environ.get("LLMSERVE_START_TIMEOUT", "600"))
+    timeout = cfg.start_timeout
     deadline = time.monotonic() + timeout
     status, body = 0, ""
     while time.monotonic() < deadline:
@@ -150,7 +195,7 @@ def start() -> int:
                     print(f"--- {log_dir / name} (last lines)\n{t}", file=sys.stderr)
             stop(cfg)
             return 1
-        status, body = _ready(cfg.health_http_port)
+        status, body = _ready(cfg.local_host, cfg.health_http_port)
         if status == 200:
             break
         time.sleep(0.3)
@@ -160,29 +205,43 @@ def start() -> int:
         )
         stop(cfg)
         return 1
-    shown = "127.0.0.1" if host in ("0.0.0.0", "") else host
+    shown = cfg.local_host
     print(f"llmserve is ready (pid {proc.pid}, logs: {'console' if cfg.output_log_to_console else log_dir})")
     print(f"  Triton gRPC        {shown}:{cfg.service_grpc_port}  (model 'model', input IN, output OUT)")
     print(f"  health             http://{shown}:{cfg.health_http_port}/v2/health/ready")
     print(f"  metrics            http://{shown}:{cfg.metrics_http_port}/metrics")
+    if cfg.triton_metrics_port != -1:
+        print(f"  Triton's metrics   http://{shown}:{cfg.triton_metrics_port}/metrics  (also in the above)")
     if http_frontend_enabled(cfg):
         print(f"  HTTP               http://{shown}:{cfg.service_http_port}/v1/chat/completions")
     return 0
 
 
-def stop(cfg: Config | None = None) -> int:
+def _stop_settings() -> tuple[Config, int]:
+    """The settings stop needs, and its exit code: 0, or 2 after naming what is bad. A bad setting must not
+    keep the stack running: stop goes on with LOG_DIR as given and the default in place of every bad value."""
     try:
-        cfg = cfg or Config.from_env()
+        return Config.from_env(), 0
     except ConfigError as e:
-        print(f"stop_server: {e}", file=sys.stderr)
-        return 2
+        print(f"stop_server: {e}; stopping anyway with the defaults in their place", file=sys.stderr)
+    try:
+        log_dir = Config.read("log_dir")
+    except ConfigError:  # a plain string: it cannot be bad; this only keeps the fallback total
+        log_dir = "log"
+    return Config(log_dir=log_dir), 2
+
+
+def stop(cfg: Config | None = None) -> int:
+    code = 0
+    if cfg is None:
+        cfg, code = _stop_settings()
     run_file = Path(cfg.log_dir) / RUN_FILE
     if not run_file.exists():
         print(f"stop_server: no server running (no {run_file})")
-        return 0
+        return code
     info = json.loads(run_file.read_text())
     pid = info["pid"]
-    timeout = float(os.environ.get("LLMSERVE_STOP_TIMEOUT", "30"))
+    timeout = cfg.stop_timeout
     if _alive(pid):
         os.kill(pid, signal.SIGTERM)
         deadline = time.monotonic() + timeout
@@ -201,16 +260,23 @@ def stop(cfg: Config | None = None) -> int:
         f.unlink(missing_ok=True)
     run_file.unlink(missing_ok=True)
     print(f"llmserve stopped (pid {pid})")
-    return 0
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["check"]:
+        try:
+            Config.from_env()
+        except ConfigError as e:
+            print(f"start_server: {e}", file=sys.stderr)
+            return 2
+        return 0
     if argv[:1] == ["start"]:
         return start()
     if argv[:1] == ["stop"]:
         return stop()
-    print("usage: python -m llmserve.serving.control start|stop", file=sys.stderr)
+    print("usage: python -m llmserve.serving.control start|stop|check", file=sys.stderr)
     return 2
 
 

@@ -16,11 +16,16 @@ server -> core
 core -> server
   {"op": "ready", "vocab_size", "max_model_len", "capacity_tokens"}    once, when loaded
   {"op": "step", "outs": [[req_id, token_ids, finish_reason | None, num_cached_tokens,
-                           logprobs | None, error | None], ...],
+                           logprobs | None, error | None, prompt_logprobs | None], ...],
    "kv": [running, waiting, kv_blocks_used, kv_blocks_total],
    "adds": int}                    per step, and after taking in messages when idle; `adds`
                                    counts the add messages taken in so far
   {"op": "reject", "req_id", "msg", "duplicate": bool}                 an add the engine refused
+
+  logprobs: [[logprob, [[token_id, logprob], ...]], ...], one per new token (top best first).
+  prompt_logprobs: on a request's first output when asked for (params "prompt_logprobs": k), else None:
+  [None, [logprob, [[token_id, logprob], ...]], ...], one per prompt token (the first has none), each the
+  logprob of that prompt token given those before it, and the k best at that position.
 
 The core dies with its server (PR_SET_PDEATHSIG), so a killed server leaves no core behind.
 `CoreLink` is the server's side: it spawns the core and holds the socket.
@@ -94,7 +99,10 @@ class CoreLink:
 
 def encode(out: RequestOutput) -> list:
     lps = [[lp.logprob, lp.top] for lp in out.logprobs] if out.logprobs else None
-    return [out.req_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, lps, out.error]
+    plps = None
+    if out.prompt_logprobs is not None:
+        plps = [None if lp is None else [lp.logprob, lp.top] for lp in out.prompt_logprobs]
+    return [out.req_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, lps, out.error, plps]
 
 
 class EngineCore:

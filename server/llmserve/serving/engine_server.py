@@ -30,7 +30,6 @@ import os
 import signal
 import sys
 import time
-from dataclasses import dataclass, field
 
 import zmq
 
@@ -38,28 +37,12 @@ from llmserve.config import Config
 from llmserve.engine.output_processor import TextState
 from llmserve.protocol import native
 from llmserve.protocol.native import NativeError
+from llmserve.serving import responses
 from llmserve.serving.engine_core import CoreLink
 from llmserve.serving.ipc import HEARTBEAT_S, dumps, endpoint, loads
+from llmserve.serving.responses import Live
 
 log = logging.getLogger("llmserve.engine_server")
-
-
-@dataclass
-class Live:
-    """A request in flight: who asked, its text so far, and what was sent."""
-
-    client: bytes
-    req: native.NativeRequest
-    core_id: str  # the core's id of it: unique, so a req_id reused at once never takes an old one's tokens
-    text_state: TextState
-    num_prompt_tokens: int
-    arrival: float
-    deadline: float
-    num_output_tokens: int = 0
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)  # without streaming only (sent at the end)
-    logprobs: list[dict] = field(default_factory=list)  # the same, when asked: one entry per token
-    first_token_time: float | None = None
 
 
 class EngineServer:
@@ -67,10 +50,13 @@ class EngineServer:
         self.cfg = config
         self.core = core
         self.tokenizer = tokenizer
+        self.speller = responses.Speller(tokenizer)
         self.stream = not config.disable_streaming
         info = core.info
         self.vocab_size = info["vocab_size"]
-        self.limit_tokens = min(info["max_model_len"], info["capacity_tokens"])
+        # The context a request may fill: MAX_SEQ_LEN, or less when the model or the KV cache holds less.
+        self.context = min(config.max_seq_len, info["max_model_len"], info["capacity_tokens"])
+        self.model_names = native.served_model_names(config.model_dir, config.served_model_name)
         self.live: dict[str, Live] = {}  # by req_id
         self.by_core_id: dict[str, Live] = {}
         self.next_core_id = 0
@@ -155,42 +141,30 @@ class EngineServer:
                 log.info("%s connected: %s", msg.get("role"), client.decode(errors="replace"))
 
     def _add(self, client: bytes, body: str | bytes | dict, req_id: str | None) -> None:
-        """Admit one request (answering a rejection at once) and hand it to the core.
-        `req_id` (beside the body) names the rejection of a body that does not parse."""
+        """Admit one request (answering a rejection at once) and hand it to the core. This is where a
+        request is parsed and checked, once (protocol/native.py). `req_id` (beside the body) names the
+        rejection of a body that does not parse."""
         try:
             req = native.parse(body)
             req_id = req.req_id
             if self.draining:
                 raise NativeError(native.NOT_READY, "the server is shutting down: not taking new requests")
             if req_id in self.live:
-                raise NativeError(native.DUPLICATE, f"req_id {req_id!r} is already in flight")
+                raise NativeError(native.DUPLICATE, f"req_id {req_id!r} is already in flight", "req_id")
             queued = self.kv[1] + self.adds_sent - self.core_adds  # waiting in the core, or on the way there
             if queued >= self.cfg.max_cached_task_num:
                 raise NativeError(
                     native.QUEUE_FULL, f"the queue is full (MAX_CACHED_TASK_NUM={self.cfg.max_cached_task_num})"
                 )
+            native.check_model(req.model, self.model_names)
             ids = native.prompt_token_ids(req, self.tokenizer)
-            params = native.admit(req, len(ids), self.cfg.max_seq_len, self.cfg.max_dec_len)
-            if len(ids) >= self.limit_tokens:  # the model or the KV cache is smaller than MAX_SEQ_LEN
-                limit = self.limit_tokens - 1
-                raise NativeError(
-                    native.TOO_LONG, f"the input has {len(ids)} tokens; this engine serves at most {limit}"
-                )
-            for name, toks in (("input_ids", ids), ("eos_token_ids", params.stop_token_ids)):
-                bad = next((t for t in toks if not 0 <= t < self.vocab_size), None)
-                if bad is not None:
-                    raise NativeError(
-                        native.BAD_REQUEST, f"{name}: token id {bad} is outside the vocabulary [0, {self.vocab_size})"
-                    )
-            params.top_k = min(params.top_k, self.vocab_size)  # more than the vocabulary: no cut (and fits the wire)
-            fields = dataclasses.asdict(params)
-            if params.seed is not None:  # the samplers use 64 bits of it; the wire carries no more
-                fields["seed"] = params.seed & 0xFFFFFFFFFFFFFFFF
+            params = native.admit(req, ids, self.context, self.cfg.max_dec_len, self.vocab_size)
             now = time.monotonic()
             core_id = str(self.next_core_id + 1)
+            fields = dataclasses.asdict(params)
             msg = dumps({"op": "add", "req_id": core_id, "ids": ids, "params": fields, "arrival": now})
         except NativeError as e:
-            self._reject(client, req_id, e.code, e.msg)
+            self._reject(client, req_id, e.code, e.msg, e.param)
             return
         except Exception as e:  # a bug: answer it, keep serving
             log.exception("admitting %s failed", req_id)
@@ -201,7 +175,9 @@ class EngineServer:
         self.next_core_id += 1
         self.core.sock.send(msg)
         self.adds_sent += 1
-        lv = Live(client, req, core_id, TextState(params, self.tokenizer), len(ids), now, now + req.timeout)
+        lv = Live(client, req, core_id, TextState(params, self.tokenizer), ids, now, now + req.timeout)
+        if req.echo and req.prompt_logprobs is None:  # else it comes with the prompt's logprobs
+            lv.prompt = self.speller.prompt(ids, None)
         self.live[req_id] = self.by_core_id[core_id] = lv
         self.d_prompt += len(ids)
 
@@ -217,9 +193,9 @@ class EngineServer:
         """A request the core has ended (or refused): nothing to abort."""
         del self.live[lv.req.req_id], self.by_core_id[lv.core_id]
 
-    def _reject(self, client: bytes, req_id: str | None, code: int, msg: str) -> None:
+    def _reject(self, client: bytes, req_id: str | None, code: int, msg: str, param: str | None = None) -> None:
         self.failed.append(code)
-        self.outbox.setdefault(client, []).append(native.error_response(req_id, code, msg))
+        self.outbox.setdefault(client, []).append(native.error_response(req_id, code, msg, param))
 
     # ---- core -> clients -------------------------------------------------------
     def _from_core(self) -> None:
@@ -242,7 +218,7 @@ class EngineServer:
 
     def _on_outputs(self, outs: list[list]) -> None:
         now = time.monotonic()
-        for core_id, token_ids, reason, num_cached, lps, error in outs:
+        for core_id, token_ids, reason, num_cached, lps, error, prompt_lps in outs:
             lv = self.by_core_id.get(core_id)
             if lv is None:  # ended here already (stop string, cancel, timeout): its tokens are dropped
                 continue
@@ -251,21 +227,26 @@ class EngineServer:
                 self._forget(lv)
                 self._reject(lv.client, req_id, native.INTERNAL, error or "the engine aborted the request")
                 continue
+            if prompt_lps is not None:
+                lv.prompt = self.speller.prompt(lv.prompt_ids, prompt_lps)
             # Token by token: a stop string ends the request at the token that completes it; tokens
             # after it are neither sent nor counted.
+            logprobs, text_state = [], lv.text_state
             taken = 0
             for t in token_ids:
+                if lps is not None:  # where its text starts: the same however the tokens were split
+                    lp, top = lps[taken]
+                    logprobs.append(self.speller.entry(t, lp, top, len(text_state.text)))
                 taken += 1
-                if lv.text_state.append([t]) is not None:
+                if text_state.append([t]) is not None:
                     reason = "stop"
                     self.core.send({"op": "abort", "req_ids": [core_id]})
                     break
             new_ids = token_ids[:taken]
             lv.num_output_tokens += taken
             self.d_gen += taken
-            new_text = lv.text_state.flush_text(finished=reason is not None)
+            new_text = text_state.flush_text(finished=reason is not None)
             lv.text += new_text
-            logprobs = [{"token_id": t, "logprob": lp[0], "top": lp[1]} for t, lp in zip(new_ids, lps or ())]
             if not self.stream:  # the final message carries them all
                 lv.token_ids += new_ids
                 lv.logprobs += logprobs
@@ -273,41 +254,15 @@ class EngineServer:
                 lv.first_token_time = now
             if reason is not None:
                 self._forget(lv)
-                self._send(lv, req_id, new_ids, new_text, logprobs, reason, num_cached)
+                self._send(lv, responses.item(lv, self.stream, new_ids, new_text, logprobs, reason, num_cached))
                 n = lv.num_output_tokens
                 ttft = (lv.first_token_time or now) - lv.arrival
                 tpot = (now - lv.first_token_time) / (n - 1) if n > 1 and lv.first_token_time else None
                 self.finished.append([reason, ttft, tpot, now - lv.arrival])
-            elif self.stream and (new_ids or new_text):
-                self._send(lv, req_id, new_ids, new_text, logprobs, None, num_cached)
+            elif self.stream and (new_ids or new_text or lv.prompt):
+                self._send(lv, responses.item(lv, self.stream, new_ids, new_text, logprobs, None, num_cached))
 
-    def _send(
-        self,
-        lv: Live,
-        req_id: str,
-        new_ids: list[int],
-        new_text: str,
-        logprobs: list[dict],
-        reason: str | None,
-        num_cached: int,
-    ) -> None:
-        """One item: this step's tokens (and their logprobs) when streaming, else all of them."""
-        stream = self.stream
-        item = {
-            "req_id": req_id,
-            "token": new_text if stream else lv.text,
-            "token_ids": new_ids if stream else lv.token_ids,
-            "is_end": int(reason is not None),
-            "error_code": 0,
-            "error_msg": "",
-        }
-        if lv.req.logprobs is not None:  # an entry per token
-            item["logprobs"] = logprobs if stream else lv.logprobs
-        if reason is not None:
-            item["tokens_all"] = lv.text
-            item["finish_reason"] = reason
-            if lv.req.return_usage:
-                item["usage"] = native.usage(lv.num_prompt_tokens, lv.num_output_tokens, num_cached)
+    def _send(self, lv: Live, item: dict) -> None:
         self.outbox.setdefault(lv.client, []).append(item)
 
     def _expire(self, now: float) -> None:
@@ -402,7 +357,8 @@ def start(config: Config) -> EngineServer:
     env = {**os.environ, **config.to_env(), "MODEL_DIR": str(model_dir)}
     # A CPU model leaves one core to this process and the rest of the stack: with every core its math
     # threads are preempted at each step's output work, and wait on each other (2 cores: 30% slower).
-    env.setdefault("LLMSERVE_PADDLE_THREADS", str(max(1, len(os.sched_getaffinity(0)) - 1)))
+    if config.paddle_threads == 0:  # automatic
+        env["LLMSERVE_PADDLE_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) - 1))
     core = CoreLink(zmq.Context.instance(), env)
     try:
         tokenizer = load_tokenizer(str(model_dir), use_hf=config.use_hf_tokenizer)

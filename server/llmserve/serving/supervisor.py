@@ -4,11 +4,13 @@ serves health probes and metrics.
 - The engine process is restarted whenever it exits (or hangs: no heartbeat, or
   no step finished while it has work, for 3 x CHECK_HEALTH_INTERVAL); tritonserver
   likewise.
-- /v2/health/live: 200 while the supervisor runs.
-- /v2/health/ready: 200 when Triton, the model and the engine are all up,
-  else 500 {"error_code": 1 not ready | 2 engine down | 3 engine hung, "error_msg"}.
-- METRICS_HTTP_PORT: Triton's metrics (from its internal port, fetched in the background: a
-  scrape never waits on Triton) + llmserve_* (live).
+- HEALTH_HTTP_PORT: KServe v2 health and metadata (llmserve.serving.probes); ready
+  is 200 when Triton, the model and the engine are all up, else 500 with
+  error_code 1 not ready | 2 engine down | 3 engine hung.
+- METRICS_HTTP_PORT: Triton's metrics (from TRITON_METRICS_PORT, fetched in the background:
+  a scrape never waits on Triton) + llmserve_* (live).
+- tritonserver's output goes through the supervisor into triton.log, where one known-harmless
+  error line is turned into a warning (see TRITON_LOG_REWRITES).
 
 SIGTERM/SIGINT stop everything gracefully: first a drain (the engine refuses new
 requests with 503 while those in flight finish, for up to LLMSERVE_DRAIN_TIMEOUT
@@ -19,66 +21,102 @@ Run through `start_server.sh` (llmserve.serving.control), which checks ports fir
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
+from http.server import ThreadingHTTPServer
 from pathlib import Path
+from typing import BinaryIO
 
 import zmq
 
 from llmserve.config import Config
 from llmserve.serving.ipc import EngineLink
 from llmserve.serving.metrics import EngineMetrics, TritonMetrics
-from llmserve.triton.launcher import MODEL_NAME, triton_command
+from llmserve.serving.probes import HealthHandler, MetricsHandler, model_metadata
+from llmserve.triton.launcher import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, triton_command
 
 log = logging.getLogger("llmserve.supervisor")
 
 NOT_READY, ENGINE_DOWN, ENGINE_HUNG = 1, 2, 3
 HTTP_FRONTEND_MODULE = "llmserve.http.server"  # started when it exists and SERVICE_HTTP_PORT != -1
 
+# A GPU build of Triton (the wheel's) sets up its CUDA block manager at start whatever the flags, and
+# logs its failure as an error where libcuda.so is missing, though "the server can still function
+# properly" (Triton's own comment; core/src/server.cc). Our model runs on Triton's CPU side, so that
+# line is a warning to us: rewritten as one, and no error line is left on a clean CPU start.
+TRITON_LOG_REWRITES = [
+    (
+        re.compile(rb"^E(\d{4} [^\]]*\] \"?CudaDriverHelper has not been initialized\.\"?)(\r?\n)?$"),
+        rb"W\1 (llmserve: no CUDA driver library: harmless, our Triton model needs none)\2",
+    ),
+]
 
-def bind_host() -> str:
-    return os.environ.get("LLMSERVE_HOST", "0.0.0.0")
 
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("LLMSERVE_CACHE_DIR") or Path.home() / ".cache" / "llmserve")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def rewrite_triton_line(line: bytes) -> bytes:
+    for pattern, repl in TRITON_LOG_REWRITES:
+        line = pattern.sub(repl, line)
+    return line
 
 
 def http_frontend_enabled(cfg: Config) -> bool:
     return cfg.service_http_port != -1 and importlib.util.find_spec(HTTP_FRONTEND_MODULE) is not None
 
 
-class Child:
-    """A subprocess that the supervisor restarts when it exits."""
+def _copy_lines(src: BinaryIO, dst: BinaryIO, rewrite: Callable[[bytes], bytes], close: bool) -> None:
+    try:
+        for line in iter(src.readline, b""):
+            dst.write(rewrite(line))
+            dst.flush()
+    except (OSError, ValueError):
+        pass  # the destination is gone (console closed, or the supervisor is ending)
+    finally:
+        src.close()
+        if close:
+            dst.close()
 
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path | None) -> None:
-        self.name, self.argv, self.env, self.log_path = name, argv, env, log_path
+
+class Child:
+    """A subprocess that the supervisor restarts when it exits.
+
+    Its output goes to log_path (appended: a restarted child's log keeps the lines that explain why),
+    or to the console; through `rewrite`, line by line, when given (a pipe and a thread).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log_path: Path | None,
+        rewrite: Callable[[bytes], bytes] | None = None,
+    ) -> None:
+        self.name, self.argv, self.env, self.log_path, self.rewrite = name, argv, env, log_path, rewrite
         self.proc: subprocess.Popen | None = None
         self.restarts = 0
         self.started_at = 0.0
         self.restart_at: float | None = None
 
     def start(self) -> None:
-        out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 (the child owns it)
+        out = open(self.log_path, "ab") if self.log_path else None  # noqa: SIM115 (the child, or the copier, owns it)
         self.proc = subprocess.Popen(
-            self.argv, env=self.env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT
+            self.argv,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE if self.rewrite else out,
+            stderr=subprocess.STDOUT,
         )
-        if out:
+        if self.rewrite:
+            dst = out or sys.stdout.buffer
+            args = (self.proc.stdout, dst, self.rewrite, out is not None)
+            threading.Thread(target=_copy_lines, args=args, name=f"log-{self.name}", daemon=True).start()
+        elif out:
             out.close()
         self.started_at = time.monotonic()
         self.restart_at = None
@@ -129,7 +167,7 @@ def stub_state(triton_pid: int) -> str | None:
 class Supervisor:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
-        self.host = bind_host()
+        self.host = cfg.host
         self.log_dir = None if cfg.output_log_to_console else Path(cfg.log_dir)
         self.metrics = EngineMetrics()
         self.stopping = threading.Event()  # SIGTERM: leave the main loop, drain, stop
@@ -143,22 +181,34 @@ class Supervisor:
         self.stalled = 0.0  # how long the engine has had work without finishing a step (its last stats)
         self.adapters = 0
         self.triton_ready = False
-        self.triton_metrics_port = free_port()
-        self.triton_metrics = TritonMetrics(f"http://127.0.0.1:{self.triton_metrics_port}/metrics")
+        # What the health port tells KServe clients about the model: its versions from the repository,
+        # its metadata from Triton itself, once it has served it (_poll_triton).
+        self.model_name = MODEL_NAME
+        repo = DEFAULT_MODEL_REPOSITORY / MODEL_NAME
+        self.model_versions = sorted(p.name for p in repo.iterdir() if p.is_dir() and p.name.isdigit()) or ["1"]
+        self.model_metadata: dict | None = None
+        self.triton_metrics = (
+            TritonMetrics(f"http://{cfg.local_host}:{cfg.triton_metrics_port}/metrics")
+            if cfg.triton_metrics_port != -1
+            else None
+        )
         env = dict(os.environ)
         env.setdefault("PYTHONUNBUFFERED", "1")
         launch = triton_command(
             grpc_port=cfg.service_grpc_port,
-            metrics_port=self.triton_metrics_port,
-            work_dir=cache_dir() / "triton",
+            metrics_port=cfg.triton_metrics_port,
+            work_dir=cfg.cache_path / "triton",
             host=self.host,
             extra_env={"PYTHONUNBUFFERED": "1"},
+            config=cfg,
         )
         self.shm_prefix = launch.shm_prefix
         self.engine = Child(
             "engine", [sys.executable, "-m", "llmserve.serving.engine_server"], env, self._log("engine.log")
         )
-        self.triton = Child("tritonserver", launch.argv, launch.env, self._log("triton.log"))
+        self.triton = Child(
+            "tritonserver", launch.argv, launch.env, self._log("triton.log"), rewrite=rewrite_triton_line
+        )
         self.children = [self.engine, self.triton]
         if http_frontend_enabled(cfg):
             self.children.append(
@@ -213,12 +263,15 @@ class Supervisor:
     def _poll_triton(self) -> None:
         import tritonclient.grpc as grpcclient
 
-        client = grpcclient.InferenceServerClient(f"127.0.0.1:{self.cfg.service_grpc_port}")
+        client = grpcclient.InferenceServerClient(f"{self.cfg.local_host}:{self.cfg.service_grpc_port}")
         while not self.stopping.is_set():
             try:
                 self.triton_ready = client.is_server_ready(client_timeout=2) and client.is_model_ready(
                     MODEL_NAME, client_timeout=2
                 )
+                if self.triton_ready and self.model_metadata is None:
+                    self.model_metadata = model_metadata(client.get_model_metadata(MODEL_NAME, client_timeout=2))
+                    self.model_versions = self.model_metadata["versions"] or self.model_versions
             except Exception:
                 self.triton_ready = False
             self.stopping.wait(0.5)
@@ -239,7 +292,8 @@ class Supervisor:
         ]
         for target in (self._monitor, self._poll_triton):
             threading.Thread(target=target, daemon=True).start()
-        self.triton_metrics.start()
+        if self.triton_metrics:
+            self.triton_metrics.start()
         for c in self.children:
             c.start()
         hung_limit = 3 * self.cfg.check_health_interval
@@ -254,6 +308,8 @@ class Supervisor:
                     delay = 1.0 if now - c.started_at > 30 else min(10.0, 1.0 * 2 ** min(c.restarts, 3))
                     log.error("%s exited (code %s): restarting in %.0f s", c.name, code, delay)
                     c.restart_at = now + delay
+                    if c is self.triton:
+                        self.triton_ready = False  # until the next one says so (_check_stub relies on it)
                     if c is self.engine:
                         self.last_hb = None
                         self.metrics.engine_down()
@@ -281,7 +337,8 @@ class Supervisor:
         pid = self.triton.proc.pid
         state = stub_state(pid)
         if state == "alive":
-            self.stub_seen = pid
+            if self.triton_ready:  # the stub of the loaded model: one that comes and goes while loading is no death
+                self.stub_seen = pid
         elif self.stub_seen == pid:  # it was up, now it is gone or a zombie
             log.error("the Triton Python-backend stub died: restarting tritonserver")
             self.triton_ready = False
@@ -309,7 +366,8 @@ class Supervisor:
         log.info("stopping")
         self._drain()
         self.closed.set()
-        self.triton_metrics.stop()
+        if self.triton_metrics:
+            self.triton_metrics.stop()
         # One at a time, front end and Triton first: nothing new comes in while the next stops.
         deadline = time.monotonic() + 15
         for c in reversed(self.children):
@@ -321,44 +379,6 @@ class Supervisor:
         for f in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             f.unlink(missing_ok=True)
         log.info("stopped")
-
-
-class _Handler(BaseHTTPRequestHandler):
-    def log_message(self, fmt: str, *args) -> None:
-        pass
-
-    def _reply(self, status: int, body: bytes, ctype: str = "application/json") -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
-
-
-class HealthHandler(_Handler):
-    def do_GET(self) -> None:
-        sup: Supervisor = self.server.supervisor  # type: ignore[attr-defined]
-        path = self.path.split("?")[0].rstrip("/")
-        if path == "/v2/health/live":
-            self._reply(200, b'{"status":"live"}')
-        elif path == "/v2/health/ready":
-            code, msg = sup.health()
-            if code == 0:
-                self._reply(200, b'{"status":"ready"}')
-            else:
-                self._reply(500, json.dumps({"error_code": code, "error_msg": msg}).encode())
-        else:
-            self._reply(404, b'{"error_msg":"not found","error_code":404}')
-
-
-class MetricsHandler(_Handler):
-    def do_GET(self) -> None:
-        sup: Supervisor = self.server.supervisor  # type: ignore[attr-defined]
-        if self.path.split("?")[0].rstrip("/") not in ("", "/metrics"):
-            self._reply(404, b"not found\n", "text/plain")
-            return
-        body = sup.metrics.exposition(sup.triton_metrics)
-        self._reply(200, body, "text/plain; version=0.0.4; charset=utf-8")
 
 
 def main() -> int:

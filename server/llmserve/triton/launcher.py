@@ -34,6 +34,8 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from llmserve.config import Config
+
 MODEL_NAME = "model"
 REPO_ROOT = Path(__file__).resolve().parents[3]
 DEFAULT_MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -135,15 +137,18 @@ def triton_command(
     host: str = "127.0.0.1",
     log_verbose: int = 0,
     extra_env: dict[str, str] | None = None,
+    config: Config | None = None,
 ) -> TritonLaunch:
     """Command line and environment for tritonserver serving `model_repository`.
 
-    `metrics_port` is Triton's own (internal) metrics endpoint; our metrics
-    server re-exports it. `http_port` -1 turns Triton's HTTP endpoint off.
+    `metrics_port` is Triton's own metrics endpoint (TRITON_METRICS_PORT, on `host`; -1: off); our
+    metrics server re-exports it. `http_port` -1 turns Triton's HTTP endpoint off. TRITONSERVER_BIN,
+    TRITON_BACKEND_DIR and LLMSERVE_TRITON_STUB_PYTHONPATH come from `config` (default: the environment's).
     """
+    cfg = config or Config.from_env()
     # A Triton image brings its own server and backends (TRITONSERVER_BIN, TRITON_BACKEND_DIR);
     # elsewhere both come from the nvidia-pytriton wheel.
-    own_bin, own_backends = os.environ.get("TRITONSERVER_BIN"), os.environ.get("TRITON_BACKEND_DIR")
+    own_bin, own_backends = cfg.tritonserver_bin, cfg.triton_backend_dir
     if own_bin:
         binary, libs = Path(own_bin), None
     else:
@@ -154,8 +159,7 @@ def triton_command(
     backends = Path(own_backends) if own_backends else build_backend_dir(Path(work_dir) / "backends")
     if not (backends / "python").is_dir():
         raise TritonNotFound(f"no python backend in {backends}" + (" (TRITON_BACKEND_DIR)" if own_backends else ""))
-    merged_env = {**os.environ, **(extra_env or {})}
-    stub_path = [p for p in merged_env.get(STUB_PYTHONPATH_ENV, "").split(os.pathsep) if p]
+    stub_path = [p for p in cfg.triton_stub_pythonpath.split(os.pathsep) if p]
     check_stub_numpy(backends / "python" / "triton_python_backend_stub", stub_path)
     prefix = shm_prefix(grpc_port)
     argv = [
@@ -164,12 +168,13 @@ def triton_command(
         f"--backend-directory={backends}",
         f"--grpc-address={host}",
         f"--grpc-port={grpc_port}",
-        f"--metrics-address={host}",
-        f"--metrics-port={metrics_port}",
-        "--allow-metrics=true",
-        "--allow-gpu-metrics=false",
-        "--allow-cpu-metrics=true",
         f"--log-verbose={log_verbose}",
+        # No pinned host memory pool: it serves GPU<->host copies of tensors, and ours are one JSON
+        # string on the CPU. Without a GPU, allocating it fails with a warning at every start.
+        "--pinned-memory-pool-byte-size=0",
+        # config.pbtxt is complete: without this, the Python backend first runs a throwaway stub to ask
+        # the model for its config (a second or more of every start, and a stub that comes and goes).
+        "--disable-auto-complete-config",
         "--exit-on-error=true",
         "--strict-readiness=true",
         "--exit-timeout-secs=5",
@@ -178,6 +183,16 @@ def triton_command(
         "--backend-config=python,shm-default-byte-size=1048576",
         "--backend-config=python,shm-growth-byte-size=1048576",
     ]
+    if metrics_port > 0:
+        argv += [
+            f"--metrics-address={host}",
+            f"--metrics-port={metrics_port}",
+            "--allow-metrics=true",
+            "--allow-gpu-metrics=false",
+            "--allow-cpu-metrics=true",
+        ]
+    else:
+        argv += ["--allow-metrics=false"]
     if http_port > 0:
         argv += [f"--http-address={host}", f"--http-port={http_port}", "--allow-http=true"]
     else:

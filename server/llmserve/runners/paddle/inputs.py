@@ -22,7 +22,8 @@ def tile_size(chunks: list[SeqChunk], max_tile: int = MAX_TILE) -> int:
 
 
 def build_step_inputs(chunks: list[SeqChunk], block_size: int, max_tile: int = MAX_TILE) -> dict[str, np.ndarray]:
-    """Graph inputs for one step (INPUT_SPECS names), plus "num_logits": real rows of the logits."""
+    """Graph inputs for one step (INPUT_SPECS names), plus "num_logits": real rows of the logits
+    (sampled chunks first, then prompt-logprob positions)."""
     if not chunks:
         raise ValueError("empty step")
     n = np.array([c.num_tokens for c in chunks], np.int64)
@@ -62,7 +63,10 @@ def build_step_inputs(chunks: list[SeqChunk], block_size: int, max_tile: int = M
     out_index[offsets[single]] = len(tile_tok) * qc + np.arange(len(single))
     row_seq = single if len(single) else np.zeros(1, np.int64)
 
-    sampled = [offsets[b + 1] - 1 for b, c in enumerate(chunks) if c.sample]
+    # Logits rows: the sampled chunks' last tokens, then the prompt positions of chunks that ask for
+    # prompt logprobs (chunk after chunk), which execute splits off again.
+    rows = [offsets[b + 1] - 1 for b, c in enumerate(chunks) if c.sample]
+    rows += [offsets[b] + i for b, c in enumerate(chunks) for i in range(c.num_prompt_logprobs)]
     return {
         "input_ids": input_ids,
         "positions": positions,
@@ -74,6 +78,6 @@ def build_step_inputs(chunks: list[SeqChunk], block_size: int, max_tile: int = M
         "row_seq": row_seq.astype(np.int64),
         "row_tok": offsets[row_seq].reshape(-1, 1).astype(np.int64),
         "out_index": out_index,
-        "logits_index": np.array(sampled or [total - 1], np.int64),  # one throw-away row when none sample
-        "num_logits": np.array(len(sampled)),
+        "logits_index": np.array(rows or [total - 1], np.int64),  # one throw-away row when none is wanted
+        "num_logits": np.array(len(rows)),
     }

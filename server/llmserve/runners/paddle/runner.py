@@ -20,7 +20,14 @@ from llmserve.config import Config
 from llmserve.models.config import ModelConfig
 from llmserve.models.layout import ModelFormatError, detect_model_format, paddle_program_path
 from llmserve.models.llama_paddle import INPUT_SPECS, cache_names
-from llmserve.runners.base import ModelRunner, SeqChunk, StepBatch, StepResult
+from llmserve.runners.base import (
+    ModelRunner,
+    SeqChunk,
+    StepBatch,
+    StepResult,
+    TokenLogprobs,
+    split_prompt_logprobs,
+)
 from llmserve.runners.paddle.inputs import build_step_inputs
 from llmserve.runners.paddle.opcheck import check_kernels
 
@@ -43,6 +50,30 @@ def _eos_ids(model_dir: Path, mc: ModelConfig) -> frozenset[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return frozenset(ids)
+
+
+def prompt_logprobs(chunks: list[SeqChunk], logits: np.ndarray) -> list[list[TokenLogprobs]]:
+    """StepResult.prompt_logprobs from the logits rows of the asking chunks' prompt positions.
+
+    Raw model distribution: log_softmax of the logits, no bias, penalty or temperature. (Sampled tokens'
+    logprobs, engine/sampler.py, are also taken before temperature, but after the logit bias, penalties
+    and the min_tokens mask, which belong to sampling the output and mean nothing at a prompt position.)"""
+    targets = np.fromiter((t for c in chunks for t in c.prompt_logprob_targets()), np.int64)
+    k = min(logits.shape[1], max(c.request.params.prompt_logprobs or 0 for c in chunks if c.prompt_logprobs))
+    if not len(targets):
+        return split_prompt_logprobs(chunks, [], [], [])
+    x = logits.astype(np.float32, copy=False)
+    x = x - x.max(axis=1, keepdims=True)
+    ls = x - np.log(np.exp(x).sum(axis=1, keepdims=True))
+    rows = np.arange(len(targets))
+    chosen = ls[rows, targets]
+    top = np.zeros((len(targets), 0), np.int64)
+    if k:  # the k best without sorting the vocabulary; ties: the lower id first
+        best = np.argpartition(-ls, k - 1, axis=1)[:, :k]
+        vals = ls[rows[:, None], best]
+        top = np.take_along_axis(best, np.lexsort((best, -vals), axis=1), axis=1)
+    top_vals = ls[rows[:, None], top]
+    return split_prompt_logprobs(chunks, chosen.tolist(), top.tolist(), top_vals.tolist())
 
 
 class PaddleRunner(ModelRunner):
@@ -93,13 +124,14 @@ class PaddleRunner(ModelRunner):
         else:
             cfg.disable_gpu()
             # oneDNN picks kernels by shape and can change results run to run; opt in for speed.
-            if os.environ.get("LLMSERVE_PADDLE_MKLDNN", "0") == "1":
+            if self.config.paddle_mkldnn:
                 cfg.enable_mkldnn()
                 # Paddle 3.3's pass folds our dynamic-shape reshapes into the wrong output type.
                 cfg.delete_pass("operator_reshape_onednn_fuse_pass")
             else:
                 cfg.disable_mkldnn()
-            threads = int(os.environ.get("LLMSERVE_PADDLE_THREADS", "0")) or len(os.sched_getaffinity(0))
+            # 0: every core (the engine server sets LLMSERVE_PADDLE_THREADS to leave itself one).
+            threads = self.config.paddle_threads or len(os.sched_getaffinity(0))
             cfg.set_cpu_math_library_num_threads(threads)
         cfg.switch_ir_optim(True)
         cfg.disable_glog_info()
@@ -133,7 +165,8 @@ class PaddleRunner(ModelRunner):
         return blocks
 
     def forward(self, chunks: list[SeqChunk]) -> tuple[np.ndarray, float]:
-        """Run one step; logits [N, V] of the chunks with sample=True (in order) and model seconds."""
+        """Run one step; logits [N, V] of the chunks with sample=True (in order), then of the prompt
+        positions of chunks with prompt_logprobs (SeqChunk.num_prompt_logprobs each), and model seconds."""
         inputs = build_step_inputs(chunks, self.block_size)
         if inputs["block_tables"].max() >= self.num_kv_blocks:  # the graph would write out of the cache
             raise ValueError(f"block id {inputs['block_tables'].max()} >= num_kv_blocks {self.num_kv_blocks}")
@@ -149,12 +182,19 @@ class PaddleRunner(ModelRunner):
             self.sampler.drop(batch.finished_req_ids)
         logits, model_time = self.forward(batch.chunks)
         requests = [c.request for c in batch.chunks if c.sample]
-        if not requests:
-            return StepResult(token_ids=[], model_time=model_time)
         t0 = time.perf_counter()
-        token_ids, logprobs = self.sampler.sample(logits, requests)
-        sample_time = time.perf_counter() - t0
-        return StepResult(token_ids=list(token_ids), logprobs=logprobs, model_time=model_time, sample_time=sample_time)
+        plp = None
+        if any(c.prompt_logprobs for c in batch.chunks):
+            plp = prompt_logprobs(batch.chunks, logits[len(requests) :])
+            logits = logits[: len(requests)]
+        token_ids, logprobs = self.sampler.sample(logits, requests) if requests else ([], None)
+        return StepResult(
+            token_ids=list(token_ids),
+            logprobs=logprobs,
+            model_time=model_time,
+            sample_time=time.perf_counter() - t0,
+            prompt_logprobs=plp,
+        )
 
     def shutdown(self) -> None:
         self.kv_caches = []

@@ -28,10 +28,15 @@ class StepInputs:
     meta: AttnMeta
     sample_idx: torch.Tensor  # packed-token index of each sampled chunk's last token
     num_sampled: int
+    # Steps with prompt-logprob chunks only: their prompt positions (packed-token index), chunk after
+    # chunk, and the prompt token each predicts.
+    plp_idx: torch.Tensor | None = None
+    plp_target: torch.Tensor | None = None
 
 
 def host_arrays(chunks: list[SeqChunk], block_size: int) -> dict[str, np.ndarray]:
-    """ids, positions, slots, q_lens, seq_lens, block tables (padded) and sampled rows, as numpy."""
+    """ids, positions, slots, q_lens, seq_lens, block tables (padded) and sampled rows, as numpy; and
+    plp_tok / plp_target (StepInputs) when a chunk asks for prompt logprobs."""
     B = len(chunks)
     q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=B)
     starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=B)
@@ -56,7 +61,15 @@ def host_arrays(chunks: list[SeqChunk], block_size: int) -> dict[str, np.ndarray
     cu_q = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu_q[1:])
     sampled = np.fromiter((i for i, c in enumerate(chunks) if c.sample), dtype=np.int64)
+    out = {}
+    counts = [c.num_prompt_logprobs for c in chunks] if any(c.prompt_logprobs for c in chunks) else [0]
+    if sum(counts):
+        plp_seq = np.repeat(np.arange(B), counts)
+        plp_first = np.cumsum(counts) - counts
+        out["plp_tok"] = cu_q[plp_seq] + (np.arange(len(plp_seq)) - plp_first[plp_seq])
+        out["plp_target"] = np.fromiter(chain.from_iterable(c.prompt_logprob_targets() for c in chunks), np.int64)
     return dict(
+        out,
         ids=ids,
         positions=positions,
         slots=slots,

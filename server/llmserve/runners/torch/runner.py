@@ -4,12 +4,13 @@ Owns the weights, the paged KV cache (`[layers, 2, blocks, KVH, block_size, D]`)
 the device sampler and the decode CUDA graphs. One `execute` = one packed
 mixed batch: inputs uploaded in one copy, one forward, logits of the sampled
 rows only, sampling on the device, one device-to-host copy of the tokens.
+A step with prompt-logprob chunks (base.py) also takes logits of their prompt
+positions, a slice of rows at a time, and always runs eagerly.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 
 from llmserve.config import Config
 from llmserve.models.config import ModelConfig
-from llmserve.runners.base import ModelRunner, StepBatch, StepResult
+from llmserve.runners.base import ModelRunner, SeqChunk, StepBatch, StepResult, split_prompt_logprobs
 
 from .cuda_graphs import DecodeGraphs, decode_splits
 from .inputs import StepInputs, Uploader, host_arrays, work_items
@@ -28,6 +29,10 @@ from .model import DecoderModel
 from .sampler import DeviceSampler
 
 log = logging.getLogger(__name__)
+
+# Prompt positions whose logits are taken at once: bounds the [rows, vocab] temporaries (float logits,
+# log_softmax) well inside the sampler scratch the KV-cache sizing leaves room for.
+PLP_ROWS = 64
 
 
 @dataclass
@@ -39,6 +44,8 @@ class _Launched:
     logprobs: object  # tokens -> logprobs, or None
     start: object  # CUDA event (or perf_counter time on CPU) of the step's start
     end: torch.cuda.Event | None
+    # Steps with prompt-logprob chunks: those chunks and (target logprob, top ids, top logprobs), host copies.
+    plp: tuple[list[SeqChunk], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
 
 
 def pick_device(config: Config) -> torch.device:
@@ -88,7 +95,7 @@ class TorchRunner(ModelRunner):
             L, 2, self.num_kv_blocks, KVH, self.block_size, D, dtype=self.kv_dtype, device=self.device
         )
         self.graphs: DecodeGraphs | None = None
-        if cuda and os.environ.get("LLMSERVE_CUDA_GRAPHS", "1") != "0":
+        if cuda and config.cuda_graphs:
             self.graphs = DecodeGraphs(
                 self.model, self.kv_cache, min(self.max_batch, 512), self.max_blocks_per_seq, self.num_sms
             )
@@ -181,12 +188,16 @@ class TorchRunner(ModelRunner):
             dec_seq = np.flatnonzero(single)
             dec_q = np.zeros_like(dec_seq)
         splits = decode_splits(B, KVH, self.num_sms) if decode_only else 1
+        plp = [a["plp_tok"], a["plp_target"]] if "plp_tok" in a else []
         v = self.uploader.upload(
             [a["ids"], a["positions"], a["slots"], a["cu_q"], a["seq_lens"], a["bt"], item_seq, item_q,
-             a["sample_tok"], dec_seq, dec_q]
+             a["sample_tok"], dec_seq, dec_q, *plp]
         )  # fmt: skip
         meta = AttnMeta(v[3], v[4], v[5], v[6], v[7], block_t, splits, v[9], v[10], dec_bt)
-        return StepInputs(v[0], v[1], v[2], meta, v[8], int(a["sampled"].shape[0]))
+        x = StepInputs(v[0], v[1], v[2], meta, v[8], int(a["sampled"].shape[0]))
+        if plp:
+            x.plp_idx, x.plp_target = v[11], v[12]
+        return x
 
     def _mark_start(self) -> None:
         """Start of the step's device work (host preparation excluded), for model_time."""
@@ -209,23 +220,45 @@ class TorchRunner(ModelRunner):
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:
         """Logits [num sampled chunks, V] (float32) of a step; writes its K/V. Exposed for tests."""
-        a = host_arrays(batch.chunks, self.block_size)
+        return self._forward(batch, host_arrays(batch.chunks, self.block_size))[0]
+
+    def _forward(self, batch: StepBatch, a: dict) -> tuple[torch.Tensor, torch.Tensor | None, StepInputs | None]:
+        """Sampled rows' logits, and for an eager step its hidden states and inputs (None from a graph)."""
         B = len(batch.chunks)
         self._mark_start()
         if (
             self.graphs is not None
+            and "plp_tok" not in a  # the graphs return the logits of one row per chunk only
             and a["ids"].shape[0] == B
             and a["bt"].shape[1] <= self.graphs.max_blocks
             and self.graphs.bucket(B) is not None
         ):
             logits = self.graphs.replay(a, lambda ids: self._fill_pending(batch, ids, a))
             if a["sampled"].shape[0] == B:
-                return logits[:B]
-            return logits[torch.from_numpy(a["sampled"]).to(self.device)]
+                return logits[:B], None, None
+            return logits[torch.from_numpy(a["sampled"]).to(self.device)], None, None
         x = self.prepare(batch, a)
         self._fill_pending(batch, x.input_ids, a)
         hidden = self.model.forward(x.input_ids, x.positions, x.slot_mapping, x.meta, self.kv_cache)
-        return self.model.logits(hidden[x.sample_idx.long()])
+        return self.model.logits(hidden[x.sample_idx.long()]), hidden, x
+
+    def _prompt_logprobs(
+        self, hidden: torch.Tensor, x: StepInputs, k: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(logprob of each target, top-k ids, top-k logprobs) at the prompt positions, on the device.
+
+        Raw model distribution: log_softmax of the logits, no bias, penalty or temperature. (Sampled tokens'
+        logprobs, sampler.py, are also taken before temperature, but after the logit bias, penalties and
+        the min_tokens mask, which belong to sampling the output and mean nothing at a prompt position.)"""
+        idx, target = x.plp_idx.long(), x.plp_target.long()
+        chosen, top_v, top_i = [], [], []
+        for s in range(0, idx.shape[0], PLP_ROWS):
+            ls = torch.log_softmax(self.model.logits(hidden[idx[s : s + PLP_ROWS]]), dim=-1)
+            chosen.append(ls.gather(1, target[s : s + PLP_ROWS, None])[:, 0])
+            v, i = ls.topk(k, dim=-1)
+            top_v.append(v)
+            top_i.append(i)
+        return torch.cat(chosen), torch.cat(top_i), torch.cat(top_v)
 
     @torch.inference_mode()
     def submit(self, batch: StepBatch) -> _Launched:
@@ -234,7 +267,13 @@ class TorchRunner(ModelRunner):
         if batch.finished_req_ids:
             self.sampler.drop(batch.finished_req_ids)
         self._t_start = None
-        logits = self.forward_logits(batch)
+        a = host_arrays(batch.chunks, self.block_size)
+        logits, hidden, x = self._forward(batch, a)
+        plp = None
+        if "plp_tok" in a:
+            asking = [c for c in batch.chunks if c.prompt_logprobs]
+            k = max(1, max(c.request.params.prompt_logprobs or 0 for c in asking))
+            plp = (asking, self._prompt_logprobs(hidden, x, min(k, self.vocab_size)))
         sampled = [c for c in batch.chunks if c.sample]
         reqs = [c.request for c in sampled]
         if reqs:
@@ -243,14 +282,21 @@ class TorchRunner(ModelRunner):
         else:
             tokens, lps = logits.new_zeros(0, dtype=torch.long), None
         self._last_tokens, self._last_rows = tokens, {r.req_id: i for i, r in enumerate(reqs)}
-        cuda = self.device.type == "cuda"
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=cuda)
-        host.copy_(tokens, non_blocking=cuda)
+        host = self._to_host(tokens)
+        if plp is not None:  # copied with the tokens: result() must not wait on the next step's work
+            plp = (plp[0], tuple(self._to_host(t) for t in plp[1]))
         end = None
-        if cuda:
+        if self.device.type == "cuda":
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-        return _Launched(host, tokens, lps, self._t_start, end)
+        return _Launched(host, tokens, lps, self._t_start, end, plp)
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """An asynchronous copy into pinned memory (on CUDA), readable once the step's end event is."""
+        cuda = self.device.type == "cuda"
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda)
+        host.copy_(t, non_blocking=cuda)
+        return host
 
     def result(self, handle: _Launched) -> StepResult:
         h = handle
@@ -260,7 +306,11 @@ class TorchRunner(ModelRunner):
         else:
             model_time = time.perf_counter() - h.start
         lps = h.logprobs(h.tokens) if h.logprobs is not None else None
-        return StepResult(h.host.tolist(), lps, model_time=model_time)
+        plp = None
+        if h.plp is not None:
+            chunks, (chosen, top_i, top_v) = h.plp
+            plp = split_prompt_logprobs(chunks, chosen.tolist(), top_i.tolist(), top_v.tolist())
+        return StepResult(h.host.tolist(), lps, model_time=model_time, prompt_logprobs=plp)
 
     def execute(self, batch: StepBatch) -> StepResult:
         return self.result(self.submit(batch))

@@ -1,6 +1,7 @@
-"""Sampling on the device: penalties, min length, temperature, top-k, top-p, seeds.
+"""Sampling on the device: logit bias, penalties, min length, temperature, top-k, top-p, seeds.
 
-Same definitions as the host sampler (engine/sampler.py): repetition penalty
+Same definitions as the host sampler (engine/sampler.py): logit_bias added to
+the raw logits before anything else, repetition penalty
 over prompt + output tokens (logit / p when positive, logit * p otherwise),
 frequency/presence penalties over output tokens, eos/stop ids masked until
 min_tokens, temperature 0 = greedy, top-k then top-p (the nucleus keeps the
@@ -22,6 +23,7 @@ import numpy as np
 import torch
 
 from llmserve.engine.request import Request
+from llmserve.engine.sampler import bias_arrays
 from llmserve.runners.base import TokenLogprobs
 
 from .kernels.sampling import gumbel_argmax, mix_key
@@ -89,6 +91,9 @@ class DeviceSampler:
         self.penalties = PenaltyState(vocab_size, device)
         self._seed_rng = random.Random(seed)
         self._seeds: dict[str, int] = {}  # engine-drawn seeds of requests without their own
+        # req_id -> (its logit_bias dict, [2, n] float64 host block of token ids and biases): built
+        # once per request, as its bias never changes.
+        self._bias: dict[str, tuple[dict[int, float], np.ndarray]] = {}
 
     def drop(self, req_ids: list[str]) -> None:
         self.penalties.drop(req_ids)
@@ -96,6 +101,7 @@ class DeviceSampler:
         # when the request is gone (a new request with the same id draws afresh).
         for rid in req_ids:
             self._seeds.pop(rid, None)
+            self._bias.pop(rid, None)
 
     def _seed(self, req: Request) -> int:
         if req.params.seed is not None:
@@ -122,6 +128,9 @@ class DeviceSampler:
         ]
         ban = [i for i, r in enumerate(reqs) if out_index[i] < r.params.min_tokens and r.eos_token_ids]
         want_lp = [i for i, p in enumerate(params) if p.logprobs is not None]
+        biased = [i for i, p in enumerate(params) if p.logit_bias]
+        if biased:  # first, on the raw logits (OpenAI / vLLM): penalties, bans and cuts see the biased ones
+            self._apply_bias(logits, biased, reqs)
         pen_rows = None
         if pen:
             pen_rows = self._apply_penalties(logits, pen, [reqs[i] for i in pen])
@@ -131,6 +140,7 @@ class DeviceSampler:
             idx = torch.tensor([rows, toks], dtype=torch.int64).to(self.device, non_blocking=True)
             keep = idx[1] < self.vocab
             logits[idx[0][keep], idx[1][keep]] = float("-inf")
+        # Logprobs of the biased, penalised, banned logits before temperature (as the host sampler).
         lps = self._logprobs(logits, want_lp, reqs) if want_lp else None
         if all(p.greedy for p in params):
             tokens = logits.argmax(dim=1)
@@ -139,6 +149,23 @@ class DeviceSampler:
         if pen_rows is not None:  # count the drawn tokens of penalised requests, on the device
             self.penalties.count(pen_rows, tokens[torch.tensor(pen, dtype=torch.int64, device=self.device)])
         return tokens, lps
+
+    def _bias_block(self, req: Request) -> np.ndarray:
+        cached = self._bias.get(req.req_id)
+        # The identity check keeps a reused request id from inheriting a stale bias.
+        if cached is None or cached[0] is not req.params.logit_bias:
+            ids, vals = bias_arrays(req.params.logit_bias, self.vocab)
+            cached = self._bias[req.req_id] = (req.params.logit_bias, np.stack([ids, vals]).astype(np.float64))
+        return cached[1]
+
+    def _apply_bias(self, logits: torch.Tensor, idx: list[int], reqs: list[Request]) -> None:
+        """logits[i, t] += bias for each (t, bias) of each reqs[i], i in idx: one upload, one scatter-add."""
+        blocks = [self._bias_block(reqs[i]) for i in idx]
+        rows = np.repeat(np.asarray(idx, dtype=np.float64), [b.shape[1] for b in blocks])
+        # One float64 block (row, id, bias): ids and rows are exact in float64, biases are float32 below.
+        dev = torch.from_numpy(np.vstack([rows[None], np.concatenate(blocks, axis=1)]))
+        dev = dev.to(self.device, non_blocking=True)
+        logits.index_put_((dev[0].long(), dev[1].long()), dev[2].to(logits.dtype), accumulate=True)
 
     def _apply_penalties(self, logits: torch.Tensor, idx: list[int], reqs: list[Request]) -> torch.Tensor:
         rows = self.penalties.rows(reqs)

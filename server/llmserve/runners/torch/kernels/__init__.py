@@ -12,6 +12,8 @@ import os
 
 import torch
 
+from llmserve.config import Config
+
 try:  # the CPU wheel of torch ships without triton
     import triton  # noqa: F401
 
@@ -19,7 +21,10 @@ try:  # the CPU wheel of torch ships without triton
 except ImportError:  # pragma: no cover - depends on the machine
     HAS_TRITON = False
 
-_FORCE_REF = os.environ.get("LLMSERVE_TORCH_KERNELS", "") == "ref"
+# Read once, at import (use_triton runs on every op). Config.read parses this one setting: a bad value
+# of another setting must not break an import (it is reported when the service starts); a bad value of
+# this one is a ConfigError naming LLMSERVE_TORCH_KERNELS.
+_FORCE_REF = Config.read("torch_kernels") == "ref"
 
 
 def use_triton(t: torch.Tensor) -> bool:

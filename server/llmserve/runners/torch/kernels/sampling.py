@@ -21,6 +21,9 @@ except ImportError:  # pragma: no cover
     triton = None
 
 M32 = 0xFFFFFFFF
+# -log(1 - 2**-24), the smallest exponential the noise gives: a floor for it keeps the Gumbel noise
+# finite (<= 16.7) should a fast approximate log round -log(u) to 0 (or below) for u near 1.
+MIN_EXP = 5.9604645e-08
 
 
 def mix_key(seed: int, index: int) -> int:
@@ -33,7 +36,7 @@ def mix_key(seed: int, index: int) -> int:
 
 
 def _noise_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[N] int64 keys -> [N, V] float32 uniforms in (0, 1)."""
+    """[N] int64 keys -> [N, V] float32 uniforms in [2**-24, 1 - 2**-24], never 0 or 1."""
     x = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :]
     x = ((x * 0x27D4EB2D) & M32) ^ keys[:, None]
     x = x ^ (x >> 16)
@@ -41,12 +44,14 @@ def _noise_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:
     x = x ^ (x >> 16)
     x = (x * 0x45D9F3B) & M32
     x = x ^ (x >> 16)
-    return ((x >> 8).float() + 0.5) * (1.0 / 16777216.0)
+    # 23 bits, not 24: (2**24 - 1) + 0.5 rounds to 2**24 in float32, so u could be exactly 1, its
+    # Gumbel noise +inf, and that token drawn whatever its logit (NaN, still argmax's pick, if masked).
+    return ((x >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
 def gumbel_argmax_ref(logits: torch.Tensor, inv_temp: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     u = _noise_ref(keys, logits.shape[1])
-    g = -torch.log(-torch.log(u))
+    g = -torch.log((-torch.log(u)).clamp_min(MIN_EXP))
     noisy = inv_temp[:, None] > 0
     scores = torch.where(noisy, logits * inv_temp[:, None] + g, logits)
     return scores.argmax(dim=1)
@@ -73,8 +78,8 @@ if triton is not None:
                 h = h ^ (h >> 16)
                 h = (h * 0x45D9F3B) & 0xFFFFFFFF
                 h = h ^ (h >> 16)
-                u = ((h >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
-                x = x * it - tl.log(-tl.log(u))
+                u = ((h >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # in (0, 1): see _noise_ref
+                x = x * it - tl.log(tl.maximum(-tl.log(u), 5.9604645e-08))  # MIN_EXP (a literal: jit)
                 x = tl.where(m, x, float("-inf"))
             v = tl.max(x, axis=0)
             i = tl.argmax(x, axis=0) + start
