@@ -1,4 +1,4 @@
-"""The `llmserve` command: export models, generate offline, serve, show settings."""
+"""The `llmserve` command: export models, generate offline, serve, show settings, train reference models."""
 
 from __future__ import annotations
 
@@ -129,6 +129,10 @@ def build_parser() -> argparse.ArgumentParser:
     from llmserve.bench.cli import add_bench_parser
 
     add_bench_parser(sub)
+
+    from llmserve.train.cli import add_train_parser
+
+    add_train_parser(sub)
     return p
 
 

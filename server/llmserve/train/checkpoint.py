@@ -1,0 +1,72 @@
+"""Write a trained model as a Hugging Face directory that transformers, the torch runner and the
+exporter read: config.json, model.safetensors (float32, one file), generation_config.json.
+
+With an MTP module, config.json gets `num_nextn_predict_layers: 1` and the module's weights
+follow the last decoder layer under DeepSeek-V3's names (`mtp.checkpoint_tensors`).
+transformers' LlamaForCausalLM reports them as unexpected keys and skips them; the torch runner
+and the exporter read layers 0 .. num_hidden_layers - 1 by name and never look at them.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from llmserve.train.mtp import MTPLayer, checkpoint_tensors
+
+
+def llama_config(preset, vocab_size: int, bos_id: int, eos_ids: tuple[int, ...], mtp: bool) -> LlamaConfig:
+    extra = {"num_nextn_predict_layers": 1} if mtp else {}
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        head_dim=preset.head_dim,
+        max_position_embeddings=preset.max_position_embeddings,
+        rope_theta=preset.rope_theta,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=preset.tie_word_embeddings,
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        initializer_range=0.02,
+        bos_token_id=bos_id,
+        eos_token_id=list(eos_ids),
+        pad_token_id=None,
+        attn_implementation="sdpa",
+        **extra,
+    )
+
+
+def _config_dict(config: LlamaConfig) -> dict:
+    d = config.to_dict()  # every field (not only those that differ from the defaults): other readers need them
+    for generic in ("_attn_implementation_autoset", "_name_or_path", "id2label", "label2id", "problem_type"):
+        d.pop(generic, None)  # PretrainedConfig's task fields: noise in a causal LM's config
+    d["torch_dtype"] = d["dtype"] = "float32"
+    return d
+
+
+def save_checkpoint(out: Path, model: LlamaForCausalLM, mtp: MTPLayer | None = None) -> Path:
+    """Write config.json, model.safetensors and generation_config.json into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = dict(model.state_dict())
+    if model.config.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # the embedding (safetensors stores no aliases)
+    if mtp is not None:
+        tensors.update(checkpoint_tensors(mtp, model))
+    # clone: tied and shared tensors become separate buffers, as safetensors requires
+    tensors = {k: v.detach().to("cpu", torch.float32).clone().contiguous() for k, v in tensors.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = model.config
+    (out / "config.json").write_text(json.dumps(_config_dict(cfg), indent=2, sort_keys=True) + "\n")
+    gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
+    return out

@@ -1,0 +1,73 @@
+"""Model shapes and training settings of the reference models (docs/models.md).
+
+All are Llama decoders (GQA, RoPE, RMSNorm, SwiGLU) over one tokenizer. A preset trains for
+`max_steps` steps (a reproducible schedule) or, when it has none, for as many steps as fit in
+`max_seconds` (measured on the first steps); `max_seconds` also caps a step-count run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Preset:
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    tie_word_embeddings: bool
+    seq_len: int  # tokens per training window
+    batch_size: int  # windows per step
+    lr: float
+    warmup_steps: int
+    max_steps: int | None
+    max_seconds: float | None
+    eval_windows: int  # held-out windows of seq_len tokens for the perplexity
+    vocab_size: int = 8192  # of the tokenizer trained when none is given
+    max_position_embeddings: int = 4096
+    rope_theta: float = 10000.0
+    min_lr_ratio: float = 0.1  # the cosine ends at lr * min_lr_ratio
+    weight_decay: float = 0.1
+    mtp_loss_weight: float = 0.3  # DeepSeek-V3's lambda for the first 10T tokens
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden_size // self.num_attention_heads
+
+    def layer_params(self) -> int:
+        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
+        attn = 2 * h * h + 2 * h * kv  # q, o; k, v
+        return attn + 3 * h * self.intermediate_size + 2 * h  # + gate, up, down + two norms
+
+    def num_params(self, vocab_size: int | None = None) -> int:
+        """Parameters of the model (without an MTP module)."""
+        v = vocab_size or self.vocab_size
+        embeddings = v * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return embeddings + self.num_hidden_layers * self.layer_params() + self.hidden_size
+
+    def mtp_params(self) -> int:
+        """An MTP module's own parameters: enorm, hnorm, eh_proj, one layer, shared_head.norm."""
+        h = self.hidden_size
+        return 3 * h + 2 * h * h + self.layer_params()
+
+
+PRESETS: dict[str, Preset] = {
+    p.name: p
+    for p in (
+        # Tests: a few seconds on one CPU core.
+        Preset("tiny", 64, 128, 2, 4, 2, True, seq_len=64, batch_size=8, lr=3e-3, warmup_steps=5,
+               max_steps=30, max_seconds=None, eval_windows=16, vocab_size=384, max_position_embeddings=512),
+        # The demo: 640 steps in about 8 minutes on 2 CPU cores (0.7 s a step); float32 weights 7 MiB.
+        Preset("demo", 128, 384, 4, 4, 2, True, seq_len=256, batch_size=16, lr=3e-3, warmup_steps=50,
+               max_steps=640, max_seconds=None, eval_windows=256, max_position_embeddings=8192),
+        # Speculative decoding's draft for the target: same tokenizer, <= 1/8 of its parameters.
+        Preset("draft", 384, 1024, 4, 6, 2, True, seq_len=1024, batch_size=32, lr=2e-3, warmup_steps=100,
+               max_steps=None, max_seconds=120, eval_windows=256),
+        # The target: the largest model that trains in 4 minutes on one H100 / H200.
+        Preset("target", 768, 2048, 12, 12, 4, False, seq_len=1024, batch_size=32, lr=1e-3, warmup_steps=100,
+               max_steps=None, max_seconds=240, eval_windows=256),
+    )
+}  # fmt: skip

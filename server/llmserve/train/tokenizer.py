@@ -1,0 +1,97 @@
+"""The models' tokenizer: a byte-level BPE trained on the corpus's training split.
+
+The demo tokenizer's conventions (llmserve.models.demo_tokenizer): ids 0 `<s>`, 1 `</s>`,
+2 `<|im_start|>`, 3 `<|im_end|>`, then the 256 byte tokens, then merges, padded with
+`<|reserved_N|>` when the text runs out of merges; no bos added by `encode`; the ChatML
+template; files that `tokenizers`, `transformers.AutoTokenizer` and `llmserve.engine.tokenizer`
+all load. Deterministic: the file order is fixed and the BPE trainer breaks ties by token ids.
+Only the training split is seen, so held-out files stay unseen by the tokenizer too.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+from llmserve.models.demo_tokenizer import (
+    BOS,
+    CHAT_TEMPLATE,
+    EOS,
+    IM_END,
+    IM_START,
+    SPECIAL_TOKENS,
+    _added_token_entry,
+)
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+
+
+def build_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    min_size = 256 + len(SPECIAL_TOKENS)
+    if vocab_size < min_size:
+        raise ValueError(f"vocab_size must be >= {min_size} (256 bytes + special tokens), got {vocab_size}")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,  # a pair seen once is noise, not a token worth an embedding row
+        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    missing = vocab_size - tok.get_vocab_size(with_added_tokens=True)
+    if missing > 0:
+        tok.add_special_tokens(
+            [AddedToken(f"<|reserved_{i}|>", special=True, normalized=False) for i in range(missing)]
+        )
+    assert tok.get_vocab_size(with_added_tokens=True) == vocab_size
+    return tok
+
+
+def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json, as demo_tokenizer writes them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out_dir / "tokenizer.json"), pretty=True)
+    added = tok.get_added_tokens_decoder()
+    config = {
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": {str(i): _added_token_entry(added[i].content) for i in sorted(added)},
+        "additional_special_tokens": [IM_START, IM_END],
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "chat_template": CHAT_TEMPLATE,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        "tokenizer_class": "PreTrainedTokenizerFast",
+    }
+    special_map = {"bos_token": BOS, "eos_token": EOS, "additional_special_tokens": [IM_START, IM_END]}
+    for name, obj in (("tokenizer_config.json", config), ("special_tokens_map.json", special_map)):
+        (out_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def copy_tokenizer(src: Path, out_dir: Path, model_max_length: int) -> None:
+    """Reuse a trained tokenizer; only model_max_length follows the model it is copied beside."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if not (src / name).is_file():
+            raise FileNotFoundError(f"{src}: no {name} (expected a tokenizer written by `llmserve train`)")
+        if src.resolve() != out_dir.resolve():
+            shutil.copyfile(src / name, out_dir / name)
+    cfg_path = out_dir / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["model_max_length"] = model_max_length
+    cfg_path.write_text(json.dumps(cfg, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
+
+
+def special_ids(tok: Tokenizer) -> tuple[int, tuple[int, ...]]:
+    """bos id and the eos ids generation stops at (`</s>`, `<|im_end|>`), as the engine's loader sees them."""
+    return tok.token_to_id(BOS), (tok.token_to_id(EOS), tok.token_to_id(IM_END))
