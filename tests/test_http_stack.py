@@ -647,7 +647,7 @@ def test_logprobs_conformance(stack, demo_tokenizer):
     # Streamed and whole responses agree token for token, with sampling (seeded) and with tokens that
     # split UTF-8 characters (a lone lead byte forced by logit_bias).
     lead = next(i for i in range(demo_tokenizer.vocab_size) if demo_tokenizer.decode_token_bytes(i) == b"\xe4")
-    for extra in ({"seed": 3, "temperature": 1.0}, {"temperature": 0, "logit_bias": {str(lead): 4.0}}):
+    for extra in ({"seed": 3, "temperature": 1.0}, {"temperature": 0, "logit_bias": {str(lead): 100.0}}):
         kw = {"model": "default", "prompt": prompt, "max_tokens": 24, "logprobs": 1, "echo": True} | extra
         whole = client.completions.create(**kw).choices[0]
         chunks = [c.choices[0] for c in client.completions.create(**kw, stream=True) if c.choices]

@@ -23,13 +23,13 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def demo_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("demo")
-    r = _cli("export", "--demo", "--out", str(out), "--seed", str(SEED))
+    r = _cli("export", "--random-demo", "--out", str(out), "--seed", str(SEED))
     assert r.returncode == 0, r.stderr
     return out
 
 
 def test_demo_export_is_deterministic(demo_dir, tmp_path):
-    r = _cli("export", "--demo", "--out", str(tmp_path), "--seed", str(SEED))
+    r = _cli("export", "--random-demo", "--out", str(tmp_path), "--seed", str(SEED))
     assert r.returncode == 0, r.stderr
     for f in sorted(p for p in demo_dir.rglob("*") if p.is_file()):
         assert (tmp_path / f.relative_to(demo_dir)).read_bytes() == f.read_bytes(), f.name
@@ -82,3 +82,24 @@ def test_bad_model_dir_is_a_clear_error(tmp_path):
     r = _cli("generate", "--model", str(tmp_path), "--prompt", "hi")
     assert r.returncode == 2
     assert "expected" in r.stderr.lower() and "weights.bin" in r.stderr
+
+
+def test_the_default_demo_is_the_trained_code_model(tmp_path):
+    """The demo is the committed trained checkpoint (its bytes are the recorded ones), exported to a
+    static graph; it completes Python, which a random model of its shape does not."""
+    import hashlib
+
+    from llmserve.models.demo import DEMO_HF_DIR, DEMO_SHA256
+
+    assert hashlib.sha256((DEMO_HF_DIR / "model.safetensors").read_bytes()).hexdigest() == DEMO_SHA256
+    assert (DEMO_HF_DIR / "model.safetensors").stat().st_size <= 10 << 20
+    metrics = json.loads((DEMO_HF_DIR / "train_metrics.json").read_text())
+    assert metrics["heldout_ppl"] < 100 and metrics["preset"]["name"] == "demo"
+    r = _cli("export", "--demo", "--out", str(tmp_path / "demo"))
+    assert r.returncode == 0, r.stderr
+    llm = LLM(str(tmp_path / "demo"))
+    out = llm.generate("def fibonacci(n):\n", SamplingParams(temperature=0, max_tokens=24))[0]
+    # Code: indentation or Python's own words, not noise.
+    words = ("return", "self", "if ", "def ", "pass", "    ", "(", ")")
+    assert sum(w in out.text for w in words) >= 3, out.text
+    assert _cli("export", "--demo", "--seed", "3", "--out", str(tmp_path / "x")).returncode == 2

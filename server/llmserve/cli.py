@@ -11,13 +11,20 @@ from pathlib import Path
 
 
 def _export(args: argparse.Namespace) -> int:
-    if bool(args.demo) == bool(args.hf):
-        print("llmserve export: give exactly one of --demo or --hf DIR", file=sys.stderr)
+    if sum(map(bool, (args.demo, args.random_demo, args.hf))) != 1:
+        print("llmserve export: give exactly one of --demo, --random-demo or --hf DIR", file=sys.stderr)
+        return 2
+    if args.seed is not None and not args.random_demo:
+        print("llmserve export: --seed is for --random-demo only", file=sys.stderr)
         return 2
     if args.demo:
         from llmserve.models.demo import export_demo
 
-        out = export_demo(args.out, seed=args.seed)
+        out = export_demo(args.out)
+    elif args.random_demo:
+        from llmserve.models.demo import export_random_demo
+
+        out = export_random_demo(args.out, seed=args.seed or 0)
     else:
         from llmserve.models.export import export_hf
 
@@ -98,10 +105,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     e = sub.add_parser("export", help="write a static-graph model directory")
-    e.add_argument("--demo", action="store_true", help="the demo model (random weights, trained tokenizer)")
+    e.add_argument("--demo", action="store_true", help="the demo model (trained on the Python stdlib: docs/models.md)")
+    e.add_argument("--random-demo", action="store_true", help="a random-weight model of the earlier demo's shape")
     e.add_argument("--hf", metavar="DIR", help="a Llama / Qwen2 HF checkpoint to convert")
     e.add_argument("--out", required=True, metavar="DIR")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=int, default=None, help="--random-demo's weights (default 0)")
     e.set_defaults(func=_export)
 
     g = sub.add_parser("generate", help="generate offline, one JSON line per prompt")

@@ -9,28 +9,36 @@ directory and served.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from pathlib import Path
 
 from llmserve.config import Config
 
 log = logging.getLogger(__name__)
 
-DEMO_SEED = 0
-
 
 def demo_model_dir(config: Config | None = None) -> Path:
-    """Where the demo model lives: LLMSERVE_CACHE_DIR/demo-<seed> (of `config`, else of the environment)."""
-    return (config or Config.from_env()).cache_path / f"demo-{DEMO_SEED}"
+    """Where the demo model's static graph lives: LLMSERVE_CACHE_DIR/demo-<its weights' digest> (of
+    `config`, else of the environment), so a new demo never meets an old cache."""
+    from llmserve.models.demo import DEMO_SHA256
+
+    return (config or Config.from_env()).cache_path / f"demo-{DEMO_SHA256[:12]}"
 
 
 def ensure_demo_model(config: Config | None = None) -> Path:
-    """Build the demo model into the cache directory unless it is there already."""
+    """Export the demo model into the cache directory unless it is there already."""
     from llmserve.models.demo import export_demo
 
     out = demo_model_dir(config)
     if not (out / "rank_0" / "model.pdiparams").exists():
-        log.info("building the demo model into %s", out)
-        export_demo(out, seed=DEMO_SEED)
+        log.info("exporting the demo model into %s", out)
+        tmp = out.with_name(f"{out.name}.tmp{os.getpid()}")
+        export_demo(tmp)
+        try:
+            tmp.rename(out)  # whole or not at all: a concurrent start may have written it first
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

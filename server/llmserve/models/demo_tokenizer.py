@@ -79,11 +79,11 @@ def _added_token_entry(content: str) -> dict:
     }
 
 
-def train_demo_tokenizer(out_dir: str | Path, vocab_size: int = 2048, *, model_max_length: int = 8192) -> None:
-    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
+def save_tokenizer_files(tok: Tokenizer, out_dir: str | Path, model_max_length: int) -> None:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json with these conventions
+    (the demo's, and `llmserve train`'s, tokenizers)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    tok = build_demo_tokenizer(vocab_size)
     tok.save(str(out / "tokenizer.json"), pretty=True)
     added = tok.get_added_tokens_decoder()
     config = {
@@ -102,6 +102,11 @@ def train_demo_tokenizer(out_dir: str | Path, vocab_size: int = 2048, *, model_m
     special_map = {"bos_token": BOS, "eos_token": EOS, "additional_special_tokens": [IM_START, IM_END]}
     for name, obj in (("tokenizer_config.json", config), ("special_tokens_map.json", special_map)):
         (out / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def train_demo_tokenizer(out_dir: str | Path, vocab_size: int = 2048, *, model_max_length: int = 8192) -> None:
+    """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json into out_dir."""
+    save_tokenizer_files(build_demo_tokenizer(vocab_size), out_dir, model_max_length)
 
 
 def train_demo_sentencepiece(out_dir: str | Path, vocab_size: int = 1024) -> None:

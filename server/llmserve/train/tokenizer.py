@@ -17,15 +17,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from llmserve.models.demo_tokenizer import (
-    BOS,
-    CHAT_TEMPLATE,
-    EOS,
-    IM_END,
-    IM_START,
-    SPECIAL_TOKENS,
-    _added_token_entry,
-)
+from llmserve.models.demo_tokenizer import BOS, EOS, IM_END, SPECIAL_TOKENS, save_tokenizer_files
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
@@ -56,26 +48,8 @@ def build_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None:
-    """tokenizer.json, tokenizer_config.json and special_tokens_map.json, as demo_tokenizer writes them."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    tok.save(str(out_dir / "tokenizer.json"), pretty=True)
-    added = tok.get_added_tokens_decoder()
-    config = {
-        "add_bos_token": False,
-        "add_eos_token": False,
-        "add_prefix_space": False,
-        "added_tokens_decoder": {str(i): _added_token_entry(added[i].content) for i in sorted(added)},
-        "additional_special_tokens": [IM_START, IM_END],
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "chat_template": CHAT_TEMPLATE,
-        "clean_up_tokenization_spaces": False,
-        "model_max_length": model_max_length,
-        "tokenizer_class": "PreTrainedTokenizerFast",
-    }
-    special_map = {"bos_token": BOS, "eos_token": EOS, "additional_special_tokens": [IM_START, IM_END]}
-    for name, obj in (("tokenizer_config.json", config), ("special_tokens_map.json", special_map)):
-        (out_dir / name).write_text(json.dumps(obj, indent=2, ensure_ascii=False, sort_keys=True) + "\n")
+    """The tokenizer's files, as the demo tokenizer's are written."""
+    save_tokenizer_files(tok, out_dir, model_max_length)
 
 
 def copy_tokenizer(src: Path, out_dir: Path, model_max_length: int) -> None:

@@ -294,6 +294,8 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
     if cuda:
         torch.cuda.synchronize()
     train_seconds = time.perf_counter() - t0
+    if total is None:  # the time budget ran out before the pace was measured: what ran is the plan
+        total = step
     final_ppl = evaluate(model, mtp, streams["heldout"], S, check_windows, max(1, B // 2), cuda)["heldout_ppl"]
     kept = step
     if best["state"] is not None and best["ppl"] < final_ppl:  # an earlier check was better: keep those weights
