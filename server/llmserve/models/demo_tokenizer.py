@@ -42,8 +42,8 @@ CHAT_TEMPLATE = (
 )
 
 
-def build_demo_tokenizer(vocab_size: int = 2048) -> Tokenizer:
-    """Train the byte-level BPE in memory (about 50 ms)."""
+def train_bpe(texts, vocab_size: int, min_frequency: int = 1) -> Tokenizer:
+    """A byte-level BPE with these conventions, trained on `texts`, padded to exactly vocab_size ids."""
     min_size = 256 + len(SPECIAL_TOKENS)
     if vocab_size < min_size:
         raise ValueError(f"vocab_size must be >= {min_size} (256 bytes + special tokens), got {vocab_size}")
@@ -53,12 +53,12 @@ def build_demo_tokenizer(vocab_size: int = 2048) -> Tokenizer:
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        min_frequency=1,
+        min_frequency=min_frequency,
         special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
-    tok.train_from_iterator(corpus_lines(), trainer=trainer)
+    tok.train_from_iterator(texts, trainer=trainer)
     missing = vocab_size - tok.get_vocab_size(with_added_tokens=True)
     if missing > 0:  # corpus too small for this many merges: pad with unused special ids
         tok.add_special_tokens(
@@ -66,6 +66,11 @@ def build_demo_tokenizer(vocab_size: int = 2048) -> Tokenizer:
         )
     assert tok.get_vocab_size(with_added_tokens=True) == vocab_size
     return tok
+
+
+def build_demo_tokenizer(vocab_size: int = 2048) -> Tokenizer:
+    """Train the byte-level BPE in memory (about 50 ms)."""
+    return train_bpe(corpus_lines(), vocab_size)
 
 
 def _added_token_entry(content: str) -> dict:

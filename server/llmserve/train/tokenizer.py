@@ -15,36 +15,16 @@ import shutil
 from collections.abc import Iterable
 from pathlib import Path
 
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import Tokenizer
 
-from llmserve.models.demo_tokenizer import BOS, EOS, IM_END, SPECIAL_TOKENS, save_tokenizer_files
+from llmserve.models.demo_tokenizer import BOS, EOS, IM_END, save_tokenizer_files, train_bpe
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def build_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
-    min_size = 256 + len(SPECIAL_TOKENS)
-    if vocab_size < min_size:
-        raise ValueError(f"vocab_size must be >= {min_size} (256 bytes + special tokens), got {vocab_size}")
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.post_processor = processors.ByteLevel(trim_offsets=False)
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        min_frequency=2,  # a pair seen once is noise, not a token worth an embedding row
-        special_tokens=[AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(texts, trainer=trainer)
-    missing = vocab_size - tok.get_vocab_size(with_added_tokens=True)
-    if missing > 0:
-        tok.add_special_tokens(
-            [AddedToken(f"<|reserved_{i}|>", special=True, normalized=False) for i in range(missing)]
-        )
-    assert tok.get_vocab_size(with_added_tokens=True) == vocab_size
-    return tok
+    # min_frequency 2: a pair seen once is noise, not a token worth an embedding row
+    return train_bpe(texts, vocab_size, min_frequency=2)
 
 
 def save_tokenizer(tok: Tokenizer, out_dir: Path, model_max_length: int) -> None:
