@@ -47,8 +47,9 @@ class GreedySampler:
     def __init__(self):
         self.dropped: list[str] = []
 
-    def sample(self, logits, requests):
-        return [int(i) for i in logits.argmax(-1)], None
+    def sample_chunks(self, logits, chunks):
+        assert len(logits) == len(chunks)  # no drafts here: one row each
+        return [[int(i)] for i in logits.argmax(-1)], None
 
     def drop(self, req_ids):
         self.dropped.extend(req_ids)
@@ -195,7 +196,7 @@ def test_runner_execute_and_attributes(model):
     batch = StepBatch([SeqChunk(r, 0, 6, i != 1) for i, r in enumerate(reqs)], finished_req_ids=["gone"])
     result = runner.execute(batch)
     logits, _ = runner.forward([SeqChunk(r, 0, 6, True) for r in reqs])  # same tokens, same slots: same values
-    assert result.token_ids == [int(logits[0].argmax()), int(logits[2].argmax())]
+    assert result.token_ids == [[int(logits[0].argmax())], [int(logits[2].argmax())]]
     assert result.model_time > 0 and runner.sampler.dropped == ["gone"]
     memory_sized = PaddleRunner(str(out), Config(block_size=8, max_seq_len=512, batch_size=3), GreedySampler())
     assert memory_sized.num_kv_blocks == 3 * 64  # capped at batch_size x blocks per sequence

@@ -99,7 +99,7 @@ class Driver:
             for c in chunks:
                 c.request.num_computed_tokens += c.num_tokens
                 if c.sample:
-                    c.request.output_token_ids.append(next(it))
+                    c.request.output_token_ids += next(it)
             for r in list(active):
                 if len(r.output_token_ids) >= r.params.max_tokens:
                     active.remove(r)

@@ -111,7 +111,7 @@ def test_torch_runner_and_transformers_same_greedy_tokens(trained):
     req.block_table = list(range(-(-(len(prompt) + n) // runner.block_size)))
     chunk = SeqChunk(req, 0, len(prompt), True)
     for _ in range(n):
-        req.output_token_ids.append(runner.execute(StepBatch([chunk])).token_ids[0])
+        req.output_token_ids.append(runner.execute(StepBatch([chunk])).token_ids[0][0])
         req.num_computed_tokens += chunk.num_tokens
         chunk = SeqChunk(req, req.num_computed_tokens, 1, True)
 

@@ -81,6 +81,15 @@ def _torch_kernels(raw: str) -> str:
     return raw
 
 
+def _speculate_method(raw: str) -> str:
+    if raw not in SPECULATE_METHODS:
+        raise ValueError(f"expected one of {', '.join(SPECULATE_METHODS)}")
+    return raw
+
+
+SPECULATE_METHODS = ("none", "ngram", "draft", "mtp")
+
+
 def _setting(env: str, default: Any, parse: Callable[[str], Any], *aliases: str, doc: str = ""):
     return field(default=default, metadata={"env": env, "aliases": aliases, "parse": parse, "doc": doc})
 
@@ -158,6 +167,22 @@ class Config:
     )
     overlap_scheduling: bool = _setting(
         "LLMSERVE_OVERLAP", True, _bool, doc="schedule step N+1 while step N runs on the GPU (CUDA runner)"
+    )
+    # speculative decoding
+    speculate_method: str = _setting(
+        "SPECULATE_METHOD", "none", _speculate_method, doc="none | ngram (prompt lookup) | draft | mtp"
+    )
+    speculate_max_draft_tokens: int = _setting(
+        "SPECULATE_MAX_DRAFT_TOKEN_NUM", 3, int, doc="most proposed tokens per request per step (k, 1..8)"
+    )
+    speculate_max_ngram_size: int = _setting(
+        "SPECULATE_MAX_NGRAM_SIZE", 3, int, doc="ngram: longest suffix looked up in the request's own tokens (1..8)"
+    )
+    speculate_model_path: str = _setting(
+        "SPECULATE_MODEL_PATH", "", _str, doc="draft / mtp: the speculative model's directory"
+    )
+    speculate_adaptive: bool = _setting(
+        "SPECULATE_ADAPTIVE", True, _bool, doc="choose k per step from measured acceptance and batch size (0: always k)"
     )
     kv_cache_memory_fraction: float = _setting(
         "KV_CACHE_MEMORY_FRACTION",
@@ -269,6 +294,20 @@ class Config:
             errors.append(f"CHECK_HEALTH_INTERVAL={self.check_health_interval}: must be positive")
         if self.long_prefill_tokens < 0:
             errors.append(f"LONG_PREFILL_TOKENS={self.long_prefill_tokens}: must be >= 0 (0: the runner's default)")
+        if not 1 <= self.speculate_max_draft_tokens <= 8:
+            errors.append(f"SPECULATE_MAX_DRAFT_TOKEN_NUM={self.speculate_max_draft_tokens}: must be in 1..8")
+        if not 1 <= self.speculate_max_ngram_size <= 8:
+            errors.append(f"SPECULATE_MAX_NGRAM_SIZE={self.speculate_max_ngram_size}: must be in 1..8")
+        if self.speculate_method in ("draft", "mtp"):
+            errors.append(
+                f"SPECULATE_METHOD={self.speculate_method}: not supported yet (use ngram); "
+                "draft-model and MTP proposals are not built"
+            )
+        elif self.speculate_model_path:
+            errors.append(
+                f"SPECULATE_MODEL_PATH={self.speculate_model_path!r}: SPECULATE_METHOD={self.speculate_method} "
+                "uses no speculative model (unset it, or choose draft or mtp)"
+            )
         if self.paddle_threads < 0:
             errors.append(f"LLMSERVE_PADDLE_THREADS={self.paddle_threads}: must be >= 0 (0: automatic)")
         if self.torch_kernels not in ("", "ref"):

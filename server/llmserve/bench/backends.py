@@ -12,19 +12,36 @@ vLLM extensions `min_tokens` and `ignore_eos` and report the server's `usage`.
 All backends decode greedily by default: `temperature: 0`, except native over
 HTTP, whose front end rejects it (`temperature > 0` as documented): `top_k: 1`
 there, which the engine's samplers treat as greedy (argmax).
+
+`counters()` snapshots the server's speculative decoding counters (see metrics.py):
+served backends scrape `metrics_url` (the server's Prometheus endpoint), the engine
+backend reads the engine's stats.
 """
 
 from __future__ import annotations
 
 import asyncio
+import http.client
 import json
 import time
+import urllib.request
 from typing import Any
 
-from llmserve.bench.metrics import RequestResult
+from llmserve.bench.metrics import RequestResult, prometheus_counters
 from llmserve.bench.workload import BenchRequest, Vocab
 
 BACKENDS = ("native", "openai-completions", "openai-chat", "triton-grpc", "engine")
+# The server publishes its counters with the engine's heartbeat (every 0.5 s), after the tokens.
+SETTLE_S = 3.0
+
+
+def scrape_counters(url: str, timeout: float = 2.0) -> dict | None:
+    """The speculative decoding counters at a Prometheus endpoint; None when unreachable or absent."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return prometheus_counters(r.read().decode("utf-8", "replace"))
+    except (OSError, http.client.HTTPException, ValueError):
+        return None
 
 
 def _new_result(req: BenchRequest) -> RequestResult:
@@ -59,6 +76,7 @@ class Backend:
     name = ""
     # Greedy in a native body: `temperature: 0` (what the engine process accepts).
     native_greedy: dict[str, Any] = {"temperature": 0.0}
+    metrics_url = ""  # the server's Prometheus metrics: speculative decoding's counters (none: not read)
 
     def __init__(self, host: str, port: int, vocab: Vocab, temperature: float = 0.0, timeout: float = 300.0) -> None:
         self.host, self.port, self.vocab = host, port, vocab
@@ -72,6 +90,22 @@ class Backend:
 
     async def send(self, req: BenchRequest, rid: str) -> RequestResult:
         raise NotImplementedError
+
+    async def counters(self, since: dict | None = None, tokens: int = 0) -> dict | None:
+        """A snapshot of the server's cumulative counters (metrics.prometheus_counters), None when
+        there are none. With `since` (the snapshot before some requests) it waits, up to SETTLE_S,
+        until the server's count of generated tokens has grown by their `tokens`: until it has
+        published what they did."""
+        if not self.metrics_url:
+            return None
+        deadline = time.monotonic() + SETTLE_S
+        while True:
+            snap = await asyncio.to_thread(scrape_counters, self.metrics_url)
+            if snap is None or since is None or time.monotonic() > deadline:
+                return snap
+            if snap["generation_tokens"] - since["generation_tokens"] >= tokens:
+                return snap
+            await asyncio.sleep(0.1)
 
     def native_body(self, req: BenchRequest, rid: str) -> dict[str, Any]:
         n = req.output_len

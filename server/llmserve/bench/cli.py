@@ -5,6 +5,8 @@
 
 Prints a table per concurrency level, writes `<name>.json` and PNG plots
 (`<name>-latency-c<N>.png`; `<name>-sweep.png` for several levels) into --out-dir.
+When the server (or engine) verified speculative drafts during a level, its table and
+JSON also give the draft acceptance rate and the mean accepted length (`spec_decode`).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import time
 from pathlib import Path
 
 from llmserve.bench.backends import BACKENDS, Backend, make_backend
-from llmserve.bench.metrics import results_to_dicts, summarize
+from llmserve.bench.metrics import results_to_dicts, spec_summary, summarize
 from llmserve.bench.report import format_table, plot_latencies, plot_sweep, save_json
 from llmserve.bench.runner import run_level, warmup
 from llmserve.bench.workload import SHAREGPT, Vocab, build_workload
@@ -47,6 +49,13 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--host", default="127.0.0.1")
     b.add_argument(
         "--port", type=int, default=None, help="default SERVICE_HTTP_PORT (SERVICE_GRPC_PORT for triton-grpc)"
+    )
+    b.add_argument(
+        "--metrics-url",
+        default="",
+        metavar="URL",
+        help="served backends: the server's Prometheus metrics, read before and after each level for speculative "
+        "decoding's acceptance (default http://HOST:METRICS_HTTP_PORT/metrics; 'none': not read)",
     )
     b.add_argument(
         "--model", default="", metavar="DIR", help="engine backend: model to load (default MODEL_DIR, else the demo)"
@@ -97,7 +106,10 @@ def _make_backend(args: argparse.Namespace) -> tuple[Backend, Vocab]:
     vocab = Vocab(_load_tokenizer(tok_dir))
     port = args.port or (config.service_grpc_port if args.backend == "triton-grpc" else config.service_http_port)
     kw = {"temperature": args.temperature, "timeout": args.timeout}
-    return make_backend(args.backend, args.host, port, vocab, **kw), vocab
+    backend = make_backend(args.backend, args.host, port, vocab, **kw)
+    url = args.metrics_url or f"http://{args.host}:{config.metrics_http_port}/metrics"
+    backend.metrics_url = "" if url == "none" else url
+    return backend, vocab
 
 
 def _load_tokenizer(path: str):
@@ -106,17 +118,27 @@ def _load_tokenizer(path: str):
     return load_tokenizer(path)
 
 
-async def _run_all(args: argparse.Namespace, backend: Backend, requests) -> list[tuple[list, float, int | None]]:
+def _tokens(results) -> int:
+    return sum(r.output_len for r in results)
+
+
+async def _run_all(args: argparse.Namespace, backend: Backend, requests) -> list[tuple]:
+    """[(results, duration, max concurrency, speculative decoding summary or None)] per level."""
     await backend.start()
     runs = []
     try:
-        await warmup(backend, requests, args.num_warmups)
+        seen = await backend.counters()  # the server's counters before each level
+        warm = await warmup(backend, requests, args.num_warmups)
+        if warm:
+            seen = await backend.counters(seen, _tokens(warm))
         for conc in args.max_concurrency:
             desc = f"{args.backend} c={conc or 'inf'}"
             results, duration = await run_level(
                 backend, requests, args.request_rate, conc, args.seed, progress=not args.no_progress, desc=desc
             )
-            runs.append((results, duration, conc))
+            now = await backend.counters(seen, _tokens(results))
+            runs.append((results, duration, conc, spec_summary(seen, now)))
+            seen = now
     finally:
         await backend.close()
     return runs
@@ -151,8 +173,9 @@ def run_bench(args: argparse.Namespace) -> int:
         "seed": args.seed,
     }
     summaries, files = [], []
-    for results, duration, conc in runs:
+    for results, duration, conc, spec in runs:
         s = summarize(results, duration, **meta, max_concurrency=conc)
+        s["spec_decode"] = spec  # None: no drafts verified (or the server's metrics not reachable)
         if args.save_requests:
             s["requests"] = results_to_dicts(results)
         summaries.append(s)

@@ -16,7 +16,7 @@ import asyncio
 import time
 
 from llmserve.bench.backends import Backend, _new_result, _Timer
-from llmserve.bench.metrics import RequestResult
+from llmserve.bench.metrics import RequestResult, stats_counters
 from llmserve.bench.workload import BenchRequest, Vocab
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.sampling_params import SamplingParams
@@ -66,6 +66,9 @@ class EngineBackend(Backend):
             for out in outs:
                 self._post(out.req_id, (out, stamp))
             await asyncio.sleep(0)  # let the requests take their outputs and new ones arrive
+
+    async def counters(self, since: dict | None = None, tokens: int = 0) -> dict | None:
+        return stats_counters(self.engine.stats())  # a step's counts are in before its outputs are posted
 
     def _post(self, rid: str, item: object) -> None:
         q = self.waiters.get(rid)

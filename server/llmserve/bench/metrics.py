@@ -11,10 +11,17 @@ Definitions (as in vLLM's `bench serve`), all on the client's clock:
 - Throughput: successful requests and their tokens divided by the run's wall
   time (first request sent -> last request done).
 Failed requests count in `failures` (by error code) and in no latency or token figure.
+
+Speculative decoding (`spec_decode`, when drafts were verified during the level): the
+difference of the server's cumulative counters before and after the level (the engine's
+stats in-process, else the llmserve_spec_decode_* Prometheus counters): acceptance rate =
+accepted / proposed draft tokens, mean accepted length = 1 + accepted / drafts verified
+(tokens a request gains per verifying step), and the acceptance rate at each draft position.
 """
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
@@ -91,3 +98,72 @@ def summarize(results: list[RequestResult], duration: float, **meta: object) -> 
 
 def results_to_dicts(results: list[RequestResult]) -> list[dict]:
     return [asdict(r) for r in results]
+
+
+# ---- speculative decoding: counters (cumulative snapshots) and their difference over a level ----
+SPEC_PREFIX = "llmserve_spec_decode_"
+SPEC_KEYS = ("num_drafts", "draft_tokens", "accepted_tokens")
+SPEC_POS_KEYS = ("draft_tokens_per_pos", "accepted_tokens_per_pos")
+_SAMPLE = re.compile(r"^(llmserve_\w+?)(?:\{([^}]*)\})?[ \t]+(\S+)", re.M)
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+def stats_counters(stats) -> dict:
+    """A snapshot from the engine's `LLMEngine.stats()` (EngineStats)."""
+    return {
+        "generation_tokens": stats.generation_tokens,
+        "num_drafts": stats.spec_verified,
+        "draft_tokens": stats.spec_draft_tokens,
+        "accepted_tokens": stats.spec_accepted_tokens,
+        "draft_tokens_per_pos": list(stats.spec_drafted_at or []),
+        "accepted_tokens_per_pos": list(stats.spec_accepted_at or []),
+    }
+
+
+def prometheus_counters(text: str) -> dict | None:
+    """A snapshot from the server's metrics exposition; None when it has no llmserve_spec_decode_*
+    counters (a server from before them)."""
+    snap: dict = {"generation_tokens": 0, **dict.fromkeys(SPEC_KEYS, 0)}
+    per_pos: dict[str, dict[int, int]] = {k: {} for k in SPEC_POS_KEYS}
+    found = False
+    for name, labels, value in _SAMPLE.findall(text):
+        try:
+            v = int(float(value))
+        except (ValueError, OverflowError):
+            continue
+        key = name[len(SPEC_PREFIX) : -len("_total")]
+        if name == "llmserve_generation_tokens_total":
+            snap["generation_tokens"] = v
+        elif not (name.startswith(SPEC_PREFIX) and name.endswith("_total")):
+            continue
+        elif key in SPEC_KEYS:
+            snap[key], found = v, True
+        elif key in per_pos and (m := _POSITION.search(labels)):
+            per_pos[key][int(m.group(1))] = v
+    for key, at in per_pos.items():
+        snap[key] = [at.get(j, 0) for j in range(max(at, default=-1) + 1)]
+    return snap if found else None
+
+
+def spec_summary(before: dict | None, after: dict | None) -> dict | None:
+    """Speculative decoding over a level from two snapshots; None without both, or when no drafts
+    were verified in between."""
+    if before is None or after is None:
+        return None
+    num, drafted, accepted = (after[k] - before[k] for k in SPEC_KEYS)
+    if num <= 0:
+        return None
+
+    def grown(key: str) -> list[int]:
+        a, b = after[key], before[key]
+        return [x - (b[j] if j < len(b) else 0) for j, x in enumerate(a)]
+
+    per_pos = [a / d if d > 0 else None for d, a in zip(*map(grown, SPEC_POS_KEYS))]
+    return {
+        "num_drafts": num,
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted > 0 else 0.0,
+        "mean_accepted_len": 1.0 + accepted / num,
+        "acceptance_rate_per_pos": per_pos,
+    }

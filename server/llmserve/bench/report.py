@@ -40,8 +40,24 @@ def format_table(summary: dict) -> str:
         lines.append(f"{' ' + name + ' (ms) ':-^62}")
         for stat in ("mean", "median", "p90", "p99"):
             lines.append(f"{stat.capitalize() + ' ' + name + ':':<40}{s[stat]:>22.2f}")
+    lines += _spec_lines(summary.get("spec_decode"))
     lines.append("=" * 62)
     return "\n".join(lines)
+
+
+def _spec_lines(spec: dict | None) -> list[str]:
+    """Speculative decoding's figures, when drafts were verified during the level."""
+    if not spec:
+        return []
+    per_pos = " ".join("-" if r is None else f"{r:.2f}" for r in spec["acceptance_rate_per_pos"])
+    return [
+        f"{' Speculative decoding ':-^62}",
+        f"{'Drafts verified (request-steps):':<40}{spec['num_drafts']:>22}",
+        f"{'Draft tokens (accepted / proposed):':<40}{spec['accepted_tokens']:>13} / {spec['draft_tokens']:<6}",
+        f"{'Draft acceptance rate:':<40}{spec['acceptance_rate']:>22.3f}",
+        f"{'Mean accepted length (tokens/step):':<40}{spec['mean_accepted_len']:>22.3f}",
+        f"{'Acceptance rate per draft position:':<40}{per_pos:>22}",
+    ]
 
 
 def save_json(path: Path, payload: dict) -> Path:

@@ -50,7 +50,6 @@ async def run_level(
     return list(results), duration
 
 
-async def warmup(backend: Backend, requests: list[BenchRequest], n: int) -> None:
+async def warmup(backend: Backend, requests: list[BenchRequest], n: int) -> list[RequestResult]:
     """Send `n` requests one at a time (not measured): first-call costs stay out of the figures."""
-    for i in range(n):
-        await backend.send(requests[i % len(requests)], f"warmup-{uuid.uuid4().hex[:8]}-{i}")
+    return [await backend.send(requests[i % len(requests)], f"warmup-{uuid.uuid4().hex[:8]}-{i}") for i in range(n)]

@@ -135,6 +135,17 @@ class BlockManager:
             req.block_hashes.append(h)
             parent = h
 
+    def trim(self, req: Request) -> None:
+        """Give back the tail blocks past the request's computed tokens (rejected drafts' blocks)."""
+        keep = self.blocks_for(req.num_computed_tokens)
+        for bid in reversed(req.block_table[keep:]):
+            block = self.blocks[bid]
+            block.ref_count -= 1
+            assert block.ref_count == 0 and block.hash is None, f"block {bid} is shared or hashed"
+            self._free[bid] = None
+            self._free.move_to_end(bid, last=False)  # nothing cached in it: hand it out first
+        del req.block_table[keep:]
+
     def free(self, req: Request) -> None:
         # Reversed: the tail of a sequence is the least likely to be shared, so it is reused first.
         for bid in reversed(req.block_table):

@@ -20,6 +20,7 @@ from llmserve.engine.output_processor import TextState, check_stop_token
 from llmserve.engine.request import FinishReason, Request
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
+from llmserve.engine.speculative import DraftLength, SpecStats, build_proposer
 from llmserve.runners.base import ModelRunner, StepBatch, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -50,6 +51,13 @@ class EngineStats:
     model_time: float
     sample_time: float
     output_time: float
+    # Speculative decoding: request-steps that verified drafts; drafts proposed / accepted, overall
+    # and per draft position (mean accepted length = 1 + accepted / verified).
+    spec_verified: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_drafted_at: list[int] | None = None
+    spec_accepted_at: list[int] | None = None
 
     @property
     def host_time(self) -> float:
@@ -74,9 +82,15 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             long_prefill_tokens=config.long_prefill_tokens or runner.default_long_prefill_tokens,
         )
+        # Speculative decoding (SPECULATE_METHOD): proposals verified in the next step.
+        self.proposer = build_proposer(config)
+        k = config.speculate_max_draft_tokens
+        self.spec_stats = SpecStats(k)
+        self.draft_length = DraftLength(k, runner.saturation_tokens, config.speculate_adaptive)
         # Overlapped scheduling: step N+1 is scheduled and launched before step N's tokens are
         # taken in, so host work runs while the device computes (runners that launch asynchronously).
-        self.overlap = runner.overlap and config.overlap_scheduling
+        # Not with speculation: a step's proposals depend on the accepted tokens of the one before.
+        self.overlap = runner.overlap and config.overlap_scheduling and self.proposer is None
         self.capacity_tokens = runner.num_kv_blocks * runner.block_size
         self.requests: dict[str, Request] = {}
         self._text: dict[str, TextState] = {}
@@ -152,6 +166,8 @@ class LLMEngine:
         step N's tokens while N+1 runs (a request that ended in N has its N+1 token dropped)."""
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
+        if self.proposer is not None:
+            self._propose()
         sched = self.scheduler.schedule()
         self._preemptions += len(sched.preempted)
         launched = None
@@ -167,6 +183,19 @@ class LLMEngine:
         self._step_time += time.perf_counter() - t0
         return outputs
 
+    def _propose(self) -> None:
+        """Proposals for the decoding requests, k of them from the batch size and acceptance."""
+        if self._left:
+            self.proposer.drop(self._left)
+        decoding = []
+        for req in self.scheduler.running:
+            req.draft_token_ids = []
+            if req.num_tokens - req.num_computed_tokens == 1 and not req.done_sampling(self.max_model_len):
+                decoding.append(req)
+        k = self.draft_length.choose(len(decoding), self.spec_stats.acceptance)
+        if k and decoding:
+            self.proposer.propose(decoding, k)
+
     def _take_in(self, sched: SchedulerOutput, handle: object) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them: stops, lengths, text."""
         t1 = time.perf_counter()
@@ -181,39 +210,55 @@ class LLMEngine:
             self._gather_prompt_logprobs(sched, result.prompt_logprobs)
         sampled = [c for c in sched.chunks if c.sample]
         logprobs = result.logprobs or [None] * len(sampled)
-        for chunk, token, lp in zip(sampled, result.token_ids, logprobs):
+        verified = []
+        for chunk, tokens, lps in zip(sampled, result.token_ids, logprobs):
             req = chunk.request
             req.num_pending -= 1
+            if chunk.draft_token_ids:
+                verified.append((len(chunk.draft_token_ids), len(tokens) - 1))
             if req.is_finished:  # ended (stopped, aborted) while this step ran
                 continue
-            req.output_token_ids.append(token)
-            self._gen_tokens += 1
-            out = RequestOutput(req.req_id, new_token_ids=[token], num_prompt_tokens=req.num_prompt_tokens)
-            if lp is not None:
-                out.logprobs = [lp]
-            if req.first_token_time is None:
-                req.first_token_time = now
-                out.ttft = now - req.arrival_time
-                if req.params.prompt_logprobs is not None:  # complete: this chunk ended the prompt
-                    out.prompt_logprobs = req.prompt_logprobs or [None] * req.num_prompt_tokens
-                    req.prompt_logprobs = None
-            text = self._text[req.req_id]
-            reason = check_stop_token(req, token, self.max_model_len)
-            reason = text.append([token]) or reason
-            if reason is not None:
-                req.finish_reason = reason
-                final = self._finish(req)
-                final.new_token_ids, final.logprobs, final.ttft = out.new_token_ids, out.logprobs, out.ttft
-                final.prompt_logprobs = out.prompt_logprobs
-                out = final
-            else:
-                out.new_text = text.flush_text(finished=False)
-                out.num_output_tokens = len(req.output_token_ids)
-                out.num_cached_tokens = req.num_cached_tokens
+            out = self._append(req, tokens, lps, now)
+            self.scheduler.rollback(chunk, len(tokens))
             outputs.append(out)
+        if verified:
+            self.spec_stats.record(verified)
         self.scheduler.update(sched)
         self._output_time += time.perf_counter() - t2
         return outputs
+
+    def _append(self, req: Request, tokens: list[int], lps: list | None, now: float) -> RequestOutput:
+        """Take a request's new tokens in order, up to the first that ends it (stop token or string,
+        length): nothing after it is emitted or counted."""
+        out = RequestOutput(req.req_id, num_prompt_tokens=req.num_prompt_tokens)
+        if req.first_token_time is None:
+            req.first_token_time = now
+            out.ttft = now - req.arrival_time
+            if req.params.prompt_logprobs is not None:  # complete: this chunk ended the prompt
+                out.prompt_logprobs = req.prompt_logprobs or [None] * req.num_prompt_tokens
+                req.prompt_logprobs = None
+        text = self._text[req.req_id]
+        reason = None
+        for token in tokens:
+            req.output_token_ids.append(token)
+            out.new_token_ids.append(token)
+            self._gen_tokens += 1
+            reason = check_stop_token(req, token, self.max_model_len)
+            reason = text.append([token]) or reason
+            if reason is not None:
+                break
+        if lps is not None:
+            out.logprobs = lps[: len(out.new_token_ids)]
+        if reason is None:
+            out.new_text = text.flush_text(finished=False)
+            out.num_output_tokens = len(req.output_token_ids)
+            out.num_cached_tokens = req.num_cached_tokens
+            return out
+        req.finish_reason = reason
+        final = self._finish(req)
+        final.new_token_ids, final.logprobs, final.ttft = out.new_token_ids, out.logprobs, out.ttft
+        final.prompt_logprobs = out.prompt_logprobs
+        return final
 
     @staticmethod
     def _gather_prompt_logprobs(sched: SchedulerOutput, results: list[list[TokenLogprobs]]) -> None:
@@ -265,6 +310,11 @@ class LLMEngine:
             model_time=self._model_time,
             sample_time=self._sample_time,
             output_time=self._output_time,
+            spec_verified=self.spec_stats.verified,
+            spec_draft_tokens=self.spec_stats.drafted,
+            spec_accepted_tokens=self.spec_stats.accepted,
+            spec_drafted_at=list(self.spec_stats.drafted_at),
+            spec_accepted_at=list(self.spec_stats.accepted_at),
         )
 
     def shutdown(self) -> None:

@@ -46,6 +46,8 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, for prefix caching
     num_preemptions: int = 0
+    # Tokens proposed to follow its last one (speculative decoding), verified in its next step.
+    draft_token_ids: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     # Prompt logprobs gathered over its prefill steps (entry p: token p given the tokens before it;

@@ -14,7 +14,7 @@ import numpy as np
 
 from llmserve.engine.request import Request
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.runners.base import TokenLogprobs
+from llmserve.runners.base import SeqChunk, TokenLogprobs
 
 
 def bias_arrays(bias: dict[int, float], vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -97,15 +97,42 @@ class Sampler:
             want_logprobs |= lp is not None
         return tokens, (logprobs if want_logprobs else None)
 
-    def sample_one(self, row: np.ndarray, req: Request) -> tuple[int, TokenLogprobs | None]:
+    def sample_chunks(
+        self, logits: np.ndarray, chunks: list[SeqChunk]
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
+        """Tokens of sampling chunks from their rows of logits (`num_sampled_rows` each, in order),
+        verifying drafts as runners/base.py says: row j is sampled as if drafts[:j] were output, and
+        the rows after the first mismatch are never drawn, so the request's generator advances
+        exactly as it would without speculation (a seeded request draws the same tokens)."""
+        tokens: list[list[int]] = []
+        logprobs: list[list[TokenLogprobs] | None] = []
+        r = 0
+        for c in chunks:
+            req, drafts = c.request, c.draft_token_ids
+            toks, lps = [], []
+            for j in range(len(drafts) + 1):
+                t, lp = self.sample_one(np.array(logits[r + j], dtype=np.float32), req, drafts[:j])
+                toks.append(t)
+                lps.append(lp)
+                if j == len(drafts) or t != drafts[j]:
+                    break
+            r += len(drafts) + 1
+            tokens.append(toks)
+            logprobs.append(lps if req.params.logprobs is not None else None)
+        want = any(lp is not None for lp in logprobs)
+        return tokens, (logprobs if want else None)
+
+    def sample_one(self, row: np.ndarray, req: Request, drafts: list[int] = ()) -> tuple[int, TokenLogprobs | None]:
+        """One token for `req` from its row; `drafts`: proposed tokens taken as already output."""
         p = req.params
         if p.logit_bias:
             # Added to the raw logits first, as OpenAI and vLLM do: the penalties, the min_tokens ban,
             # greedy's argmax, temperature and the top-k/top-p cuts all see the biased logits.
             ids, vals = self._bias_of(req, row.shape[0])
             row[ids] += vals  # ids are unique (dict keys), so no accumulation is needed
-        apply_penalties(row, req.prompt_token_ids, req.output_token_ids, p)
-        if len(req.output_token_ids) < p.min_tokens:
+        output = req.output_token_ids + list(drafts) if drafts else req.output_token_ids
+        apply_penalties(row, req.prompt_token_ids, output, p)
+        if len(output) < p.min_tokens:
             banned = [t for t in req.eos_token_ids if 0 <= t < row.shape[0]]
             row[banned] = -np.inf
         if p.greedy:

@@ -16,6 +16,13 @@ step can be scheduled while this one still runs on the device (overlapped
 scheduling). A request whose tokens in flight already reach its length limit
 is left out until its step's output ends it.
 
+Speculative decoding: a decoding request with proposed tokens (`Request.draft_token_ids`) gets
+them in its chunk, within the token budget and its length limits, with KV slots reserved for them.
+After the step, `rollback` moves `num_computed_tokens` back to the accepted tokens and frees the
+blocks that held only rejected ones; rejected slots in a kept block are overwritten later, and the
+prefix cache (committed after the rollback) never hashes a rejected token. Speculation runs with
+serial steps: the next step's proposals need this step's accepted tokens.
+
 A request that asks for prompt logprobs skips the prefix cache until they are handed out (with its
 first token), and its chunks over prompt positions ask the runner for them.
 """
@@ -88,6 +95,12 @@ class Scheduler:
                 i += 1
                 continue
             n = min(req.num_tokens - req.num_computed_tokens, budget, self.long_prefill_tokens)
+            drafts = []
+            if req.draft_token_ids and req.num_tokens - req.num_computed_tokens == 1:
+                drafts = self._drafts(req, budget)
+                if not self.bm.ensure_slots(req, 1 + len(drafts)):  # no blocks to spare: plain decoding
+                    drafts = []
+            n += len(drafts)
             while not self.bm.ensure_slots(req, n):
                 victim = self.running[-1]
                 self._preempt(victim, out)
@@ -95,7 +108,7 @@ class Scheduler:
                     break
             if req.status != RequestStatus.RUNNING:
                 break
-            out.chunks.append(self._chunk(req, n))
+            out.chunks.append(self._chunk(req, n, drafts))
             budget -= n
             i += 1
 
@@ -124,6 +137,21 @@ class Scheduler:
             budget -= n
         return out
 
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """The proposals that fit: the step budget, and room for all of them plus one more token
+        within max_tokens and the model's length (nothing past a limit is ever computed)."""
+        room = min(budget - 1, req.params.max_tokens - req.num_generated - 1, self.max_model_len - req.num_tokens - 1)
+        return req.draft_token_ids[: max(0, room)]
+
+    def rollback(self, chunk: SeqChunk, num_new: int) -> None:
+        """After a verification step took `num_new` tokens (accepted drafts + one): forget the
+        rejected drafts' KV and give back the blocks that held only them."""
+        req = chunk.request
+        rejected = len(chunk.draft_token_ids) + 1 - num_new
+        if rejected and not req.is_finished:
+            req.num_computed_tokens -= rejected
+            self.bm.trim(req)
+
     def update(self, out: SchedulerOutput) -> None:
         """After the step's output was taken in: offer its now full blocks to the prefix cache."""
         for c in out.chunks:
@@ -131,9 +159,11 @@ class Scheduler:
                 self.bm.commit(c.request)
 
     @staticmethod
-    def _chunk(req: Request, n: int) -> SeqChunk:
+    def _chunk(req: Request, n: int, drafts: list[int] = ()) -> SeqChunk:
         start = req.num_computed_tokens
-        chunk = SeqChunk(req, start, n, sample=start + n == req.num_tokens)
+        chunk = SeqChunk(req, start, n, sample=start + n - len(drafts) == req.num_tokens)
+        if drafts:
+            chunk.draft_token_ids = list(drafts)
         # Positions re-run after a preemption ask again; the engine keeps the first value it got.
         chunk.prompt_logprobs = req.needs_prompt_logprobs and start < req.num_prompt_tokens - 1
         req.num_computed_tokens = start + n

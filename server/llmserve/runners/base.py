@@ -11,6 +11,18 @@ prefix) and decode tokens (one token each). Every chunk writes its tokens'
 K/V into the request's blocks: token at position p lives in slot
 `block_table[p // block_size] * block_size + p % block_size`.
 
+Speculative decoding: a sampling chunk may carry `draft_token_ids`, k tokens proposed to follow
+its last token. They are appended to the chunk's tokens (its K/V written like any other), and the
+runner verifies them: it samples a token at each of the last k + 1 positions exactly as it would
+without speculation (row j: penalties counting the drafts before it, output index + j for seeds and
+min_tokens), keeps the drafts up to the first one that differs from the token sampled at its
+position, and returns those plus the token sampled right after them (the correction, or the bonus
+token when all k were kept): 1..k+1 tokens. Keeping draft j exactly when the target's own draw
+equals it is rejection sampling against a one-hot proposal (accepted with probability p(d_j);
+on rejection the draw is p conditioned on not d_j = norm(max(0, p - q))), so the output has the
+target's distribution, and a seeded request draws the very tokens it draws without speculation.
+The engine then rolls the request back to its accepted tokens (scheduler.py).
+
 Prompt logprobs: a chunk with `prompt_logprobs` set also wants the logits of its prompt positions.
 Position p's logits predict token p + 1, so positions `start .. min(start + n, P - 1) - 1` (P: prompt
 length) give the logprobs of prompt tokens `start + 1 ..`; the last prompt position predicts the first
@@ -31,12 +43,22 @@ class SeqChunk:
     start: int  # position of the chunk's first token (== tokens already in the cache)
     num_tokens: int
     sample: bool  # True when the chunk ends at the request's last token: sample the next one
+    # Proposed continuation, verified by the runner (speculative decoding; sampling chunks only).
+    draft_token_ids: list[int] = field(default_factory=list)
     # Also return the logprobs of the prompt tokens this chunk's positions predict (see the module doc).
     prompt_logprobs: bool = False
 
     @property
     def token_ids(self) -> list[int]:
-        return self.request.token_ids_slice(self.start, self.start + self.num_tokens)
+        """The chunk's input tokens: the request's, then the drafts (which count in num_tokens)."""
+        k = len(self.draft_token_ids)
+        ids = self.request.token_ids_slice(self.start, self.start + self.num_tokens - k)
+        return ids + self.draft_token_ids if k else ids
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Positions sampled: the last 1 + k of a sampling chunk (k drafts), none otherwise."""
+        return 1 + len(self.draft_token_ids) if self.sample else 0
 
     @property
     def num_prompt_logprobs(self) -> int:
@@ -71,9 +93,11 @@ class TokenLogprobs:
 
 @dataclass
 class StepResult:
-    # One entry per chunk with sample=True, in batch order.
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None] | None = None
+    # One entry per chunk with sample=True, in batch order: its new tokens (one, or with drafts the
+    # accepted ones plus the correction or bonus token).
+    token_ids: list[list[int]]
+    # Per sampled chunk, the target's logprobs of each of its new tokens (None where not asked for).
+    logprobs: list[list[TokenLogprobs] | None] | None = None
     model_time: float = 0.0  # seconds inside the model run (for host-overhead accounting)
     sample_time: float = 0.0  # seconds sampling (host samplers; 0 when fused on the device)
     # One entry per chunk with prompt_logprobs=True, in batch order: the logprobs of the prompt tokens
@@ -100,6 +124,9 @@ class ModelRunner(abc.ABC):
     overlap: bool = False
     # Most prompt tokens of one request per step when LONG_PREFILL_TOKENS is 0 (0: the step budget).
     default_long_prefill_tokens: int = 0
+    # Tokens a step takes before it stops being bound by reading the weights (speculative decoding's
+    # draft-length rule, engine/speculative.py): about peak FLOP/s / memory bandwidth x bytes per weight / 2.
+    saturation_tokens: int = 16
 
     @abc.abstractmethod
     def execute(self, batch: StepBatch) -> StepResult: ...

@@ -18,8 +18,13 @@ core -> server
   {"op": "step", "outs": [[req_id, token_ids, finish_reason | None, num_cached_tokens,
                            logprobs | None, error | None, prompt_logprobs | None], ...],
    "kv": [running, waiting, kv_blocks_used, kv_blocks_total],
-   "adds": int}                    per step, and after taking in messages when idle; `adds`
-                                   counts the add messages taken in so far
+   "adds": int,
+   "spec": [verified, drafted, accepted, [drafted at j], [accepted at j]]}
+                                   per step, and after taking in messages when idle; `adds`
+                                   counts the add messages taken in so far; `spec` (only when
+                                   it changed) is how speculative decoding's counters grew since
+                                   the last message: request-steps that verified drafts, drafts
+                                   proposed / accepted, and both per draft position j = 0..k-1
   {"op": "reject", "req_id", "msg", "duplicate": bool}                 an add the engine refused
 
   logprobs: [[logprob, [[token_id, logprob], ...]], ...], one per new token (top best first).
@@ -42,6 +47,7 @@ import signal
 import subprocess
 import sys
 import time
+from itertools import zip_longest
 
 import zmq
 
@@ -49,6 +55,7 @@ from llmserve.config import Config
 from llmserve.engine.llm_engine import DuplicateRequestError, LLMEngine
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.sampling_params import SamplingParams
+from llmserve.engine.speculative import SpecStats
 from llmserve.serving.ipc import dumps, endpoint, loads
 
 log = logging.getLogger("llmserve.engine_core")
@@ -105,12 +112,27 @@ def encode(out: RequestOutput) -> list:
     return [out.req_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, lps, out.error, plps]
 
 
+def spec_counters(s: SpecStats) -> list:
+    """Speculative decoding's counters as the step message carries them."""
+    return [s.verified, s.drafted, s.accepted, list(s.drafted_at), list(s.accepted_at)]
+
+
+def spec_sum(a: list | None, b: list | None, sign: int = 1) -> list | None:
+    """a + sign * b, element by element, for spec_counters lists (None: all zeros)."""
+    if b is None:
+        return a
+    a = a or [0, 0, 0, [], []]
+    heads = [x + sign * y for x, y in zip(a[:3], b[:3])]
+    return heads + [[x + sign * y for x, y in zip_longest(p, q, fillvalue=0)] for p, q in zip(a[3:], b[3:])]
+
+
 class EngineCore:
     def __init__(self, engine: LLMEngine, sock: zmq.Socket) -> None:
         self.engine = engine
         self.sock = sock
         self.stopping = False
         self.adds = 0  # add messages taken in so far (the server's queue bound counts those in transit)
+        self.spec = spec_counters(engine.spec_stats)  # as of the last step message (warm-up's are not sent)
 
     def serve(self) -> None:
         eng = self.engine
@@ -122,6 +144,9 @@ class EngineCore:
                 bm, sch = eng.block_manager, eng.scheduler
                 kv = [len(sch.running), len(sch.waiting), bm.num_used, bm.num_blocks]
                 msg = {"op": "step", "outs": [encode(o) for o in outs], "kv": kv, "adds": self.adds}
+                if eng.spec_stats.verified != self.spec[0]:  # drafts were verified: their counts grew
+                    now = spec_counters(eng.spec_stats)
+                    msg["spec"], self.spec = spec_sum(now, self.spec, -1), now
                 self.sock.send(dumps(msg))
             elif os.getppid() != parent:  # the server is gone (belt and braces beside PDEATHSIG)
                 break

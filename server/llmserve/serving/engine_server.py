@@ -38,7 +38,7 @@ from llmserve.engine.output_processor import TextState
 from llmserve.protocol import native
 from llmserve.protocol.native import NativeError
 from llmserve.serving import responses
-from llmserve.serving.engine_core import CoreLink
+from llmserve.serving.engine_core import CoreLink, spec_sum
 from llmserve.serving.ipc import HEARTBEAT_S, dumps, endpoint, loads
 from llmserve.serving.responses import Live
 
@@ -68,6 +68,7 @@ class EngineServer:
         self.last_progress = time.monotonic()  # the core's last step, or when it last got work
         # Metric deltas since the last stats message.
         self.d_prompt = self.d_gen = 0
+        self.d_spec: list | None = None  # speculative decoding's counters (the core's "spec"), None: zeros
         self.finished: list[list] = []  # [finish_reason, ttft, tpot, e2e]
         self.failed: list[int] = []  # error codes
         self.cancelled = 0  # aborted by their client, by an adapter that gave up on them, or as its client died
@@ -208,6 +209,7 @@ class EngineServer:
             if op == "step":
                 self.last_progress = time.monotonic()
                 self.kv, self.core_adds = msg["kv"], msg["adds"]
+                self.d_spec = spec_sum(self.d_spec, msg.get("spec"))
                 self._on_outputs(msg["outs"])
             elif op == "reject":
                 lv = self.by_core_id.get(msg["req_id"])
@@ -316,7 +318,6 @@ class EngineServer:
             self._to(a, {"op": "hb", "stalled": stalled})
         if not self.monitors:
             return
-        running, waiting, used, total = self.kv
         msg = {
             "op": "stats",
             "pid": os.getpid(),
@@ -324,20 +325,19 @@ class EngineServer:
             "live": len(self.live),
             "draining": self.draining,
             "stalled": stalled,
-            "running": running,
-            "waiting": waiting,
-            "kv_blocks_used": used,
-            "kv_blocks_total": total,
+            **dict(zip(("running", "waiting", "kv_blocks_used", "kv_blocks_total"), self.kv)),
             "prompt_tokens": self.d_prompt,
             "generation_tokens": self.d_gen,
             "finished": self.finished,
             "failed": self.failed,
             "cancelled": self.cancelled,
         }
+        if self.d_spec:  # as the core's step messages carry it: absent when no drafts were verified
+            msg["spec"] = self.d_spec
         for m in self.monitors:
             self._to(m, msg)
         self.d_prompt = self.d_gen = self.cancelled = 0
-        self.finished, self.failed = [], []
+        self.finished, self.failed, self.d_spec = [], [], None
 
     def _shutdown(self) -> None:
         for req_id in list(self.live):

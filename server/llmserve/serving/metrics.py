@@ -49,6 +49,29 @@ class EngineMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        # Speculative decoding (acceptance rate = accepted / draft tokens, mean accepted length =
+        # 1 + accepted / num_drafts), overall and per draft position.
+        self.spec_drafts = Counter(
+            "llmserve_spec_decode_num_drafts_total", "Request-steps that verified draft tokens", registry=r
+        )
+        self.spec_draft_tokens = Counter(
+            "llmserve_spec_decode_draft_tokens_total", "Draft tokens proposed and verified", registry=r
+        )
+        self.spec_accepted_tokens = Counter(
+            "llmserve_spec_decode_accepted_tokens_total", "Draft tokens accepted", registry=r
+        )
+        self.spec_draft_at = Counter(
+            "llmserve_spec_decode_draft_tokens_per_pos_total",
+            "Draft tokens proposed at each draft position (0: the first)",
+            ["position"],
+            registry=r,
+        )
+        self.spec_accepted_at = Counter(
+            "llmserve_spec_decode_accepted_tokens_per_pos_total",
+            "Draft tokens accepted at each draft position (0: the first)",
+            ["position"],
+            registry=r,
+        )
 
     def apply(self, msg: dict) -> None:
         """Fold one engine stats message (gauges now, counters as deltas) in."""
@@ -67,6 +90,20 @@ class EngineMetrics:
         for code in msg["failed"]:
             self.failure.labels(error_code=str(code)).inc()
         self.cancelled.inc(msg.get("cancelled", 0))
+        self.apply_spec(msg.get("spec"))
+
+    def apply_spec(self, spec: list | None) -> None:
+        """A stats message's "spec": [num_drafts, draft_tokens, accepted_tokens, [draft tokens at
+        position j], [accepted at j]] as deltas; absent (no speculation, an older engine): nothing."""
+        if not spec:
+            return
+        verified, drafted, accepted, drafted_at, accepted_at = spec
+        self.spec_drafts.inc(verified)
+        self.spec_draft_tokens.inc(drafted)
+        self.spec_accepted_tokens.inc(accepted)
+        for counter, counts in ((self.spec_draft_at, drafted_at), (self.spec_accepted_at, accepted_at)):
+            for j, n in enumerate(counts):
+                counter.labels(position=str(j)).inc(n)
 
     def engine_down(self) -> None:
         self.running.set(0)

@@ -63,9 +63,9 @@ def build_step_inputs(chunks: list[SeqChunk], block_size: int, max_tile: int = M
     out_index[offsets[single]] = len(tile_tok) * qc + np.arange(len(single))
     row_seq = single if len(single) else np.zeros(1, np.int64)
 
-    # Logits rows: the sampled chunks' last tokens, then the prompt positions of chunks that ask for
+    # Logits rows: the sampled chunks' last tokens (the last 1 + k with k drafts to verify), then the prompt positions of chunks that ask for
     # prompt logprobs (chunk after chunk), which execute splits off again.
-    rows = [offsets[b + 1] - 1 for b, c in enumerate(chunks) if c.sample]
+    rows = [offsets[b + 1] - c.num_sampled_rows + j for b, c in enumerate(chunks) for j in range(c.num_sampled_rows)]
     rows += [offsets[b] + i for b, c in enumerate(chunks) for i in range(c.num_prompt_logprobs)]
     return {
         "input_ids": input_ids,

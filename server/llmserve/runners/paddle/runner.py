@@ -165,7 +165,8 @@ class PaddleRunner(ModelRunner):
         return blocks
 
     def forward(self, chunks: list[SeqChunk]) -> tuple[np.ndarray, float]:
-        """Run one step; logits [N, V] of the chunks with sample=True (in order), then of the prompt
+        """Run one step; logits [N, V] of the sampled positions of the chunks with sample=True (in
+        order: the last 1 + k of a chunk with k drafts, SeqChunk.num_sampled_rows), then of the prompt
         positions of chunks with prompt_logprobs (SeqChunk.num_prompt_logprobs each), and model seconds."""
         inputs = build_step_inputs(chunks, self.block_size)
         if inputs["block_tables"].max() >= self.num_kv_blocks:  # the graph would write out of the cache
@@ -181,15 +182,16 @@ class PaddleRunner(ModelRunner):
         if batch.finished_req_ids:
             self.sampler.drop(batch.finished_req_ids)
         logits, model_time = self.forward(batch.chunks)
-        requests = [c.request for c in batch.chunks if c.sample]
+        sampled = [c for c in batch.chunks if c.sample]
+        rows = sum(c.num_sampled_rows for c in sampled)
         t0 = time.perf_counter()
         plp = None
         if any(c.prompt_logprobs for c in batch.chunks):
-            plp = prompt_logprobs(batch.chunks, logits[len(requests) :])
-            logits = logits[: len(requests)]
-        token_ids, logprobs = self.sampler.sample(logits, requests) if requests else ([], None)
+            plp = prompt_logprobs(batch.chunks, logits[rows:])
+            logits = logits[:rows]
+        token_ids, logprobs = self.sampler.sample_chunks(logits, sampled) if sampled else ([], None)
         return StepResult(
-            token_ids=list(token_ids),
+            token_ids=token_ids,
             logprobs=logprobs,
             model_time=model_time,
             sample_time=time.perf_counter() - t0,

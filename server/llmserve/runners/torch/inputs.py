@@ -26,8 +26,7 @@ class StepInputs:
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     meta: AttnMeta
-    sample_idx: torch.Tensor  # packed-token index of each sampled chunk's last token
-    num_sampled: int
+    sample_idx: torch.Tensor  # packed-token index of each sampled position (host_arrays' sample_tok)
     # Steps with prompt-logprob chunks only: their prompt positions (packed-token index), chunk after
     # chunk, and the prompt token each predicts.
     plp_idx: torch.Tensor | None = None
@@ -61,6 +60,13 @@ def host_arrays(chunks: list[SeqChunk], block_size: int) -> dict[str, np.ndarray
     cu_q = np.zeros(B + 1, dtype=np.int64)
     np.cumsum(q_lens, out=cu_q[1:])
     sampled = np.fromiter((i for i, c in enumerate(chunks) if c.sample), dtype=np.int64)
+    # Sampled positions: each sampling chunk's last token, or its last 1 + k with k drafts to verify.
+    sample_tok = cu_q[1:][sampled] - 1
+    rows = np.fromiter((c.num_sampled_rows for c in chunks if c.sample), dtype=np.int64, count=len(sampled))
+    if rows.size and rows.max() > 1:
+        row_seq = np.repeat(np.arange(len(sampled)), rows)
+        first = np.cumsum(rows) - rows
+        sample_tok = sample_tok[row_seq] - (rows[row_seq] - 1) + (np.arange(int(rows.sum())) - first[row_seq])
     out = {}
     counts = [c.num_prompt_logprobs for c in chunks] if any(c.prompt_logprobs for c in chunks) else [0]
     if sum(counts):
@@ -78,7 +84,7 @@ def host_arrays(chunks: list[SeqChunk], block_size: int) -> dict[str, np.ndarray
         bt=bt,
         cu_q=cu_q,
         sampled=sampled,
-        sample_tok=cu_q[1:][sampled] - 1,
+        sample_tok=sample_tok,
         pending=pending,
         seq_of_pending=seq_of[pending],
     )

@@ -46,6 +46,9 @@ class _Launched:
     end: torch.cuda.Event | None
     # Steps with prompt-logprob chunks: those chunks and (target logprob, top ids, top logprobs), host copies.
     plp: tuple[list[SeqChunk], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # Verification steps: each sampled chunk's rows, and its number of new tokens (host copy).
+    rows: list[int] | None = None
+    num_new: torch.Tensor | None = None
 
 
 def pick_device(config: Config) -> torch.device:
@@ -86,6 +89,8 @@ class TorchRunner(ModelRunner):
         # Prompt tokens of one request per step: a CPU step over 2048 tokens deep in a long prompt
         # takes seconds; on CUDA the whole step budget.
         self.default_long_prefill_tokens = 0 if self.device.type == "cuda" else 256
+        # H100/H200: ~990 TFLOP/s of dense bf16 over 3.35-4.8 TB/s, 2 bytes and 2 FLOPs per weight.
+        self.saturation_tokens = 256 if cuda else 16
         self.sampler = DeviceSampler(self.vocab_size, self.device, config.seed)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 1
         self.max_batch = config.batch_size
@@ -194,7 +199,7 @@ class TorchRunner(ModelRunner):
              a["sample_tok"], dec_seq, dec_q, *plp]
         )  # fmt: skip
         meta = AttnMeta(v[3], v[4], v[5], v[6], v[7], block_t, splits, v[9], v[10], dec_bt)
-        x = StepInputs(v[0], v[1], v[2], meta, v[8], int(a["sampled"].shape[0]))
+        x = StepInputs(v[0], v[1], v[2], meta, v[8])
         if plp:
             x.plp_idx, x.plp_target = v[11], v[12]
         return x
@@ -219,7 +224,7 @@ class TorchRunner(ModelRunner):
 
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch) -> torch.Tensor:
-        """Logits [num sampled chunks, V] (float32) of a step; writes its K/V. Exposed for tests."""
+        """Logits [sampled rows, V] (float32) of a step; writes its K/V. Exposed for tests."""
         return self._forward(batch, host_arrays(batch.chunks, self.block_size))[0]
 
     def _forward(self, batch: StepBatch, a: dict) -> tuple[torch.Tensor, torch.Tensor | None, StepInputs | None]:
@@ -276,7 +281,12 @@ class TorchRunner(ModelRunner):
             plp = (asking, self._prompt_logprobs(hidden, x, min(k, self.vocab_size)))
         sampled = [c for c in batch.chunks if c.sample]
         reqs = [c.request for c in sampled]
-        if reqs:
+        num_new = rows = None
+        if any(c.draft_token_ids for c in sampled):  # verification (serial steps: no PENDING follows)
+            out_index = [c.start + c.num_tokens - len(c.draft_token_ids) - c.request.num_prompt_tokens for c in sampled]
+            tokens, num_new, lps = self.sampler.verify(logits, sampled, out_index)
+            rows, num_new = [c.num_sampled_rows for c in sampled], self._to_host(num_new)
+        elif reqs:
             out_index = [c.start + c.num_tokens - c.request.num_prompt_tokens for c in sampled]
             tokens, lps = self.sampler.sample(logits, reqs, out_index)
         else:
@@ -289,7 +299,7 @@ class TorchRunner(ModelRunner):
         if self.device.type == "cuda":
             end = torch.cuda.Event(enable_timing=True)
             end.record()
-        return _Launched(host, tokens, lps, self._t_start, end, plp)
+        return _Launched(host, tokens, lps, self._t_start, end, plp, rows, num_new)
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """An asynchronous copy into pinned memory (on CUDA), readable once the step's end event is."""
@@ -305,12 +315,24 @@ class TorchRunner(ModelRunner):
             model_time = h.start.elapsed_time(h.end) / 1e3
         else:
             model_time = time.perf_counter() - h.start
-        lps = h.logprobs(h.tokens) if h.logprobs is not None else None
+        row_lps = h.logprobs(h.tokens) if h.logprobs is not None else None
         plp = None
         if h.plp is not None:
             chunks, (chosen, top_i, top_v) = h.plp
             plp = split_prompt_logprobs(chunks, chosen.tolist(), top_i.tolist(), top_v.tolist())
-        return StepResult(h.host.tolist(), lps, model_time=model_time, prompt_logprobs=plp)
+        flat = h.host.tolist()
+        if h.rows is None:  # one token per sampled chunk
+            tokens = [[t] for t in flat]
+            lps = [None if lp is None else [lp] for lp in row_lps] if row_lps is not None else None
+        else:  # each chunk's rows, up to its first rejected draft
+            tokens, lps, r = [], [] if row_lps is not None else None, 0
+            for n_rows, n_new in zip(h.rows, h.num_new.tolist()):
+                tokens.append(flat[r : r + n_new])
+                if lps is not None:
+                    got = row_lps[r : r + n_new]
+                    lps.append(None if got[0] is None else got)
+                r += n_rows
+        return StepResult(tokens, lps, model_time=model_time, prompt_logprobs=plp)
 
     def execute(self, batch: StepBatch) -> StepResult:
         return self.result(self.submit(batch))

@@ -24,7 +24,7 @@ import torch
 
 from llmserve.engine.request import Request
 from llmserve.engine.sampler import bias_arrays
-from llmserve.runners.base import TokenLogprobs
+from llmserve.runners.base import SeqChunk, TokenLogprobs
 
 from .kernels.sampling import gumbel_argmax, mix_key
 
@@ -120,9 +120,55 @@ class DeviceSampler:
         out_index[i]: the output index of the token drawn for reqs[i] (default: its output length).
         It keys seeded draws and min_tokens; it is given because with overlapped steps the request's
         last tokens may not be known to the host yet."""
-        params = [r.params for r in reqs]
         if out_index is None:
             out_index = [len(r.output_token_ids) for r in reqs]
+        tokens, lps, pen = self._sample(logits, reqs, out_index, None)
+        if pen is not None:  # count the drawn tokens of penalised requests, on the device
+            self.penalties.count(pen[1], tokens[pen[0]])
+        return tokens, lps
+
+    def verify(
+        self, logits: torch.Tensor, chunks: list[SeqChunk], out_index: list[int]
+    ) -> tuple[torch.Tensor, torch.Tensor, object]:
+        """Sampling chunks with drafts (runners/base.py): logits [R, V], each chunk's
+        `num_sampled_rows` rows in turn; out_index[i]: output index of chunk i's first row.
+        Row j is drawn as `sample` draws it with drafts[:j] taken as output (penalties, seeds and
+        min_tokens see them), then each chunk keeps the tokens up to its first draft that differs
+        from the draw at its position. Returns the drawn tokens [R] and each chunk's number of
+        new tokens [C] (leading matches + 1) on the device, and the logprobs function (per row)."""
+        reqs, index, prior, drafts, row_chunk, row_j = [], [], [], [], [], []
+        for i, (c, base) in enumerate(zip(chunks, out_index)):
+            d = c.draft_token_ids
+            for j in range(len(d) + 1):
+                reqs.append(c.request)
+                index.append(base + j)
+                prior.append(d[:j])
+                drafts.append(d[j] if j < len(d) else -1)
+                row_chunk.append(i)
+                row_j.append(j)
+        R, C = len(reqs), len(chunks)
+        tokens, lps, pen = self._sample(logits, reqs, index, prior)
+        # [C, K + 1] row numbers of each chunk's rows, padded with R: a sentinel that never matches.
+        K1 = max(row_j) + 1
+        pos = np.full((C, K1), R, dtype=np.int64)
+        pos[row_chunk, row_j] = np.arange(R)
+        host = np.concatenate([np.asarray(drafts, np.int64), pos.reshape(-1), row_chunk, row_j])
+        dev = torch.from_numpy(host).to(self.device, non_blocking=True)
+        d_dev, pos_dev = dev[:R], dev[R : R + C * K1].view(C, K1)
+        rc_dev, rj_dev = dev[R + C * K1 : 2 * R + C * K1], dev[2 * R + C * K1 :]
+        match = torch.cat([tokens == d_dev, tokens.new_zeros(1, dtype=torch.bool)])
+        num_new = match[pos_dev].int().cumprod(dim=1).sum(dim=1) + 1
+        if pen is not None:  # count the tokens kept (the rows up to each chunk's first mismatch)
+            kept = (rj_dev < num_new[rc_dev]).int()
+            self.penalties.counts.index_put_((pen[1], tokens[pen[0]]), kept[pen[0]], accumulate=True)
+        return tokens, num_new, lps
+
+    def _sample(
+        self, logits: torch.Tensor, reqs: list[Request], out_index: list[int], prior: list[list[int]] | None
+    ) -> tuple[torch.Tensor, object, tuple[torch.Tensor, torch.Tensor] | None]:
+        """Tokens, the logprobs function, and (penalised row numbers, their penalty-state rows) or None.
+        prior[i]: tokens taken as output before row i (drafts), counted by its penalties."""
+        params = [r.params for r in reqs]
         pen = [
             i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
         ]
@@ -133,7 +179,8 @@ class DeviceSampler:
             self._apply_bias(logits, biased, reqs)
         pen_rows = None
         if pen:
-            pen_rows = self._apply_penalties(logits, pen, [reqs[i] for i in pen])
+            pen_prior = [prior[i] for i in pen] if prior is not None else None
+            pen_rows = self._apply_penalties(logits, pen, [reqs[i] for i in pen], pen_prior)
         if ban:
             rows = [i for i in ban for _ in reqs[i].eos_token_ids]
             toks = [t for i in ban for t in reqs[i].eos_token_ids]
@@ -146,9 +193,9 @@ class DeviceSampler:
             tokens = logits.argmax(dim=1)
         else:
             tokens = self._draw(logits, reqs, out_index)
-        if pen_rows is not None:  # count the drawn tokens of penalised requests, on the device
-            self.penalties.count(pen_rows, tokens[torch.tensor(pen, dtype=torch.int64, device=self.device)])
-        return tokens, lps
+        if pen_rows is None:
+            return tokens, lps, None
+        return tokens, lps, (torch.tensor(pen, dtype=torch.int64, device=self.device), pen_rows)
 
     def _bias_block(self, req: Request) -> np.ndarray:
         cached = self._bias.get(req.req_id)
@@ -167,7 +214,9 @@ class DeviceSampler:
         dev = dev.to(self.device, non_blocking=True)
         logits.index_put_((dev[0].long(), dev[1].long()), dev[2].to(logits.dtype), accumulate=True)
 
-    def _apply_penalties(self, logits: torch.Tensor, idx: list[int], reqs: list[Request]) -> torch.Tensor:
+    def _apply_penalties(
+        self, logits: torch.Tensor, idx: list[int], reqs: list[Request], prior: list[list[int]] | None = None
+    ) -> torch.Tensor:
         rows = self.penalties.rows(reqs)
         p = torch.tensor(
             [[r.params.repetition_penalty, r.params.frequency_penalty, r.params.presence_penalty] for r in reqs],
@@ -176,6 +225,11 @@ class DeviceSampler:
         b = torch.tensor(idx, dtype=torch.int64).to(self.device, non_blocking=True)
         x = logits[b]
         counts = self.penalties.counts[rows]
+        if prior is not None and any(prior):  # drafts before each row count as its output
+            at = torch.tensor([[q, t] for q, ts in enumerate(prior) for t in ts], dtype=torch.int64).to(
+                self.device, non_blocking=True
+            )
+            counts.index_put_((at[:, 0], at[:, 1]), torch.ones_like(at[:, 0], dtype=counts.dtype), accumulate=True)
         rep = p[:, 0:1]
         seen = self.penalties.seen[rows] | (counts > 0)
         x = torch.where(seen, torch.where(x > 0, x / rep, x * rep), x)

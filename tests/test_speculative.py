@@ -1,0 +1,302 @@
+"""Speculative decoding through the engine: n-gram proposals verified by both runners.
+
+Greedy output with speculation (k = 1, 3, 5) must be the output without it, token for token and
+text for text, for requests that arrive at staggered steps, share prefixes (prefix-cache hits),
+outgrow a small cache (preemption), end on stop strings and on max_tokens, or are aborted while a
+verification step runs; every block is free at the end. Proposals come from the requests' own
+tokens, so prompts repeat phrases and the tiny random model's greedy loops give matches to accept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import numpy as np
+import pytest
+
+from llmserve.config import Config, ConfigError
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.request import Request
+from llmserve.engine.sampling_params import SamplingParams
+from llmserve.engine.speculative import DraftLength, NgramProposer, SpecStats, ngram_lookup
+
+RUNNERS = ["torch", "paddle"]
+
+
+@pytest.fixture(scope="module")
+def models(tiny_hf_dir, tmp_path_factory):
+    from llmserve.models.export import export_hf
+
+    pytest.importorskip("paddle")
+    return {"torch": str(tiny_hf_dir), "paddle": str(export_hf(tiny_hf_dir, tmp_path_factory.mktemp("paddle")))}
+
+
+def make_engine(models, kind: str, k: int = 0, **overrides) -> LLMEngine:
+    from llmserve.engine.tokenizer import load_tokenizer
+
+    kw = dict(block_size=4, max_seq_len=256, batch_size=8, block_bs=8, max_num_batched_tokens=48)
+    kw |= dict(overlap_scheduling=True, long_prefill_tokens=16)
+    if k:
+        kw |= dict(speculate_method="ngram", speculate_max_draft_tokens=k, speculate_adaptive=False)
+    kw.update(overrides)
+    cfg = Config.from_env(env={}, **kw)
+    if kind == "torch":
+        from llmserve.runners.torch.runner import TorchRunner
+
+        runner = TorchRunner(models[kind], cfg)
+    else:
+        from llmserve.engine.sampler import Sampler
+        from llmserve.runners.paddle.runner import PaddleRunner
+
+        runner = PaddleRunner(models[kind], cfg, Sampler(0))
+    engine = LLMEngine(cfg, runner, load_tokenizer(models[kind]))
+    assert (engine.proposer is not None) == bool(k)
+    return engine
+
+
+def workload(seed: int, vocab: int) -> list[tuple[str, list[int], SamplingParams]]:
+    """16 greedy requests: repeated phrases, shared prefixes, lengths from 1 to ~70 tokens."""
+    rng = np.random.default_rng(seed)
+    shared = rng.integers(0, vocab, 12).tolist()
+    reqs = []
+    for i in range(16):
+        phrase = rng.integers(0, vocab, int(rng.integers(2, 6))).tolist()
+        ids = (phrase * int(rng.integers(1, 12)))[: int(rng.integers(1, 60))]
+        if i % 4 == 0:
+            ids = shared + ids  # prefix-cache hits for the later ones
+        p = SamplingParams(max_tokens=int(rng.integers(1, 40)), temperature=0.0, ignore_eos=i % 3 == 0)
+        reqs.append((f"r{i}", ids, p))
+    return reqs
+
+
+def run(engine: LLMEngine, reqs, arrive_every: int = 2, on_step=None) -> dict[str, tuple]:
+    """Requests join a few steps apart; returns req_id -> (tokens, text, finish reason)."""
+    got: dict[str, list] = {}
+    text: dict[str, str] = {}
+    reasons: dict[str, str] = {}
+    queue, steps = list(reqs), 0
+    while queue or engine.has_unfinished():
+        if queue and steps % arrive_every == 0:
+            rid, ids, p = queue.pop(0)
+            engine.add_request(rid, ids, dataclasses.replace(p))
+        if on_step is not None:
+            on_step(engine, steps)
+        for out in engine.step():
+            got.setdefault(out.req_id, []).extend(out.new_token_ids)
+            text[out.req_id] = text.get(out.req_id, "") + out.new_text
+            if out.finished:
+                reasons[out.req_id] = out.finish_reason
+        steps += 1
+        assert steps < 5000
+    assert engine.block_manager.num_used == 0, "blocks left in use"
+    assert not engine.requests
+    return {r: (got.get(r, []), text.get(r, ""), reasons[r]) for r in reasons}
+
+
+def with_stop_strings(reqs, plain) -> list:
+    """Give some requests a stop string taken from the middle of their plain output's text."""
+    out = []
+    for i, (rid, ids, p) in enumerate(reqs):
+        txt = plain[rid][1]
+        if i % 2 and len(txt) > 8:
+            a = len(txt) // 2
+            p = dataclasses.replace(p, stop=[txt[a : a + 3]], include_stop_str_in_output=bool(i % 4 == 1))
+        out.append((rid, ids, p))
+    return out
+
+
+@pytest.mark.parametrize("kind", RUNNERS)
+def test_greedy_output_is_the_output_without_speculation(models, kind):
+    seed = random.randrange(1 << 30)
+    plain_engine = make_engine(models, kind)
+    reqs = workload(seed, plain_engine.runner.vocab_size)
+    plain = run(plain_engine, reqs)
+    reqs = with_stop_strings(reqs, plain)
+    plain = run(make_engine(models, kind), reqs)
+    assert any(r == "stop" for _, _, r in plain.values())
+    for k in (1, 3, 5):
+        engine = make_engine(models, kind, k)
+        got = run(engine, reqs)
+        assert got == plain, f"seed {seed} k={k}"
+        st = engine.stats()
+        assert st.spec_draft_tokens > 0 and 0 < st.spec_accepted_tokens <= st.spec_draft_tokens, f"seed {seed}"
+        assert st.prefix_cache_hits > 0
+        # Every accepted draft saved a step: fewer steps than tokens generated.
+        assert st.steps < plain_engine.stats().steps or k == 1
+    for rid, _ids, p in reqs:  # lengths applied exactly
+        tokens, _, reason = plain[rid]
+        assert len(tokens) <= p.max_tokens and (reason != "length" or len(tokens) == p.max_tokens)
+
+
+@pytest.mark.parametrize("kind", RUNNERS)
+def test_preemption_with_speculation(models, kind):
+    """A cache too small for all requests: some are preempted, some mid-verification."""
+    seed = random.randrange(1 << 30)
+    reqs = [
+        (rid, ids, dataclasses.replace(p, max_tokens=40, ignore_eos=True))
+        for rid, ids, p in workload(seed, make_engine(models, kind, block_bs=1).runner.vocab_size)[:8]
+    ]
+    small = dict(block_bs=1, batch_size=8)
+    plain_engine = make_engine(models, kind, **small)
+    plain = run(plain_engine, reqs, arrive_every=1)
+    engine = make_engine(models, kind, 3, **small)
+    assert run(engine, reqs, arrive_every=1) == plain, f"seed {seed}"
+    assert engine.stats().preemptions > 0 and engine.stats().spec_accepted_tokens > 0
+
+
+def test_abort_during_a_verification_step_frees_every_block(models):
+    engine = make_engine(models, "torch", 4)
+    vocab = engine.runner.vocab_size
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    for i in range(6):
+        phrase = rng.integers(0, vocab, 3).tolist()
+        engine.add_request(f"a{i}", phrase * 8, SamplingParams(max_tokens=60, min_tokens=60, temperature=0))
+    submit = engine.runner.submit
+    aborted: list[str] = []
+
+    def submit_then_abort(batch):  # the abort arrives while the step that verifies drafts runs
+        handle = submit(batch)
+        verifying = [c.request.req_id for c in batch.chunks if c.draft_token_ids]
+        if verifying and not aborted:
+            aborted.append(verifying[0])
+            assert engine.abort(verifying[0])
+        return handle
+
+    engine.runner.submit = submit_then_abort
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert aborted
+    rest = [o for o in outs if o.req_id == aborted[0]]
+    assert rest[-1].finish_reason == "abort" and not rest[-1].new_token_ids
+    for i in range(6):
+        n = sum(len(o.new_token_ids) for o in outs if o.req_id == f"a{i}")
+        assert f"a{i}" in aborted or n == 60  # exactly max_tokens, nothing past it
+    assert engine.block_manager.num_used == 0 and not engine.requests
+
+
+@pytest.mark.parametrize("kind", RUNNERS)
+def test_seeded_requests_same_alone_in_a_batch_and_without_speculation(models, kind):
+    seed = random.randrange(1 << 30)
+    rng = np.random.default_rng(seed)
+    vocab = make_engine(models, kind).runner.vocab_size
+    targets = []
+    for j in range(3):
+        phrase = rng.choice(vocab, 3, replace=False).tolist()
+        # Biased towards the phrase so drafts get accepted, penalised by counts that the drafts
+        # before each verified row must enter.
+        bias = {t: 10.0 for t in phrase}
+        p = SamplingParams(max_tokens=40, temperature=0.7, top_p=0.9, seed=seed + j, logit_bias=bias, ignore_eos=True)
+        p = dataclasses.replace(p, frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.1)
+        targets.append((f"t{j}", phrase * 6, p))
+    others = [
+        (f"o{i}", rng.integers(0, vocab, int(rng.integers(3, 30))).tolist(), SamplingParams(max_tokens=25))
+        for i in range(5)
+    ]
+    accepted = 0
+    for target in targets:
+        engine = make_engine(models, kind, 3, speculate_adaptive=True)
+        alone = run(engine, [target])
+        accepted += engine.stats().spec_accepted_tokens
+        plain = run(make_engine(models, kind), [target])
+        assert alone == plain, f"seed {seed}"
+    batched = run(make_engine(models, kind, 3, speculate_adaptive=True), [*others[:2], *targets, *others[2:]], 1)
+    plain = run(make_engine(models, kind), targets, 1)
+    assert {t[0]: batched[t[0]] for t in targets} == plain, f"seed {seed}"
+    assert accepted > 0
+
+
+def test_ngram_lookup():
+    t = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 4, 1, 2])
+    assert ngram_lookup(t, 3, 3) == [3, 7, 4]  # "1 2" last seen at 5..6, followed by 3 7 4
+    assert ngram_lookup(t, 1, 2) == [3, 7]  # "2" last seen at 6
+    assert ngram_lookup(np.array([1, 2, 3]), 3, 4) == []  # 3 never occurred before
+    assert ngram_lookup(np.array([4, 4]), 2, 5) == [4]  # the proposal stops at the end
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    for _ in range(200):  # against a brute-force search
+        t = rng.integers(0, 4, int(rng.integers(2, 40)))
+        want = []
+        for n in range(min(3, len(t) - 1), 0, -1):
+            hits = [i for i in range(len(t) - n) if (t[i : i + n] == t[len(t) - n :]).all()]
+            if hits:
+                want = t[hits[-1] + n : hits[-1] + n + 4].tolist()
+                break
+        assert ngram_lookup(t, 3, 4) == want, t
+
+
+def test_ngram_proposer_follows_a_growing_request():
+    prop = NgramProposer(2)
+    req = Request("x", [1, 2, 3, 1, 2], SamplingParams())
+    prop.propose([req], 2)
+    assert req.draft_token_ids == [3, 1]
+    req.output_token_ids += [3, 8, 1]
+    prop.propose([req], 2)
+    assert req.draft_token_ids == [2, 3]  # "1" last seen at 3 (the output's 1 is the suffix)
+    prop.drop(["x"])
+    assert not prop._tokens
+
+
+def test_draft_length_rule():
+    rule = DraftLength(max_k=5, saturation_tokens=256)
+    assert rule.choose(1, 0.9) == 5  # small batch, good acceptance: the most drafts
+    assert rule.choose(1, 0.05) <= 1
+    assert rule.choose(256, 0.9) == 0  # a saturated batch: plain decoding
+    assert rule.choose(300, 0.99) == 0
+    ks = [rule.choose(b, 0.7) for b in (1, 8, 32, 64, 128, 256)]
+    assert ks == sorted(ks, reverse=True) and ks[0] > ks[-1] == 0
+    assert DraftLength(3, 256, adaptive=False).choose(512, 0.0) == 3
+    stats = SpecStats(3)
+    for _ in range(100):
+        stats.record([(3, 0)])  # always rejected at once
+    assert stats.acceptance < 0.05 and stats.drafted_at == [100, 100, 100] and stats.accepted_at == [0, 0, 0]
+    for _ in range(100):
+        stats.record([(3, 3)])
+    assert stats.acceptance > 0.95 and stats.accepted_at == [100, 100, 100]
+
+
+def test_speculation_settings_are_checked():
+    assert Config.from_env(env={"SPECULATE_METHOD": "ngram"}).speculate_method == "ngram"
+    bad = [
+        ({"SPECULATE_METHOD": "eagle"}, "SPECULATE_METHOD"),
+        ({"SPECULATE_METHOD": "draft"}, "SPECULATE_METHOD=draft"),
+        ({"SPECULATE_METHOD": "mtp"}, "SPECULATE_METHOD=mtp"),
+        ({"SPECULATE_METHOD": "ngram", "SPECULATE_MAX_DRAFT_TOKEN_NUM": "0"}, "SPECULATE_MAX_DRAFT_TOKEN_NUM"),
+        ({"SPECULATE_MAX_NGRAM_SIZE": "9"}, "SPECULATE_MAX_NGRAM_SIZE"),
+        ({"SPECULATE_MODEL_PATH": "/x"}, "SPECULATE_MODEL_PATH"),
+    ]
+    for env, name in bad:
+        with pytest.raises(ConfigError, match=name):
+            Config.from_env(env=env)
+
+
+def test_the_whole_stack_serves_with_ngram_speculation(tmp_path, demo_dir):
+    """Triton + HTTP front end with SPECULATE_METHOD=ngram on the trained demo model: greedy
+    completions over OpenAI, native HTTP and Triton gRPC equal the offline engine's without
+    speculation, and the metrics show drafts proposed and accepted."""
+    import requests
+
+    from llmserve.engine.llm import LLM
+    from llmserve.serving.testing import http_stack
+    from llmserve.triton.client import TritonStream, collect
+
+    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", "    for i in range(len(items)):\n"]
+    ref_llm = LLM(demo_dir, Config.from_env(env={}, block_bs=4, max_seq_len=1024))
+    ref = ref_llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0))
+    ref_llm.shutdown()
+    env = dict(SPECULATE_METHOD="ngram", SPECULATE_MAX_DRAFT_TOKEN_NUM=4, MAX_SEQ_LEN=1024, BLOCK_BS=4)
+    with http_stack(tmp_path, **env) as stack:
+        stack.wait_ready()
+        for prompt, want in zip(prompts, ref):
+            body = {"model": "default", "prompt": prompt, "max_tokens": 48, "temperature": 0}
+            oa = requests.post(stack.http_base + "/v1/completions", json=body, timeout=120).json()
+            assert oa["choices"][0]["text"] == want.text and oa["usage"]["completion_tokens"] == len(want.token_ids)
+            nat = {"text": prompt, "max_dec_len": 48, "top_k": 1}
+            got = requests.post(stack.http_base + "/v1/chat/completions", json=nat, timeout=120).json()
+            assert got["token_ids"] == want.token_ids and got["result"] == want.text
+            msgs = collect(TritonStream(stack.grpc_url).submit(nat | {"req_id": f"g{len(prompt)}"}), timeout=120)
+            assert [t for m in msgs for t in m.get("token_ids", [])] == want.token_ids
+        m = stack.metrics()
+        drafted = m.get("llmserve_spec_decode_draft_tokens_total", 0)
+        accepted = m.get("llmserve_spec_decode_accepted_tokens_total", 0)
+        assert drafted > 0 and 0 < accepted <= drafted, m
