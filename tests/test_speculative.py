@@ -207,6 +207,66 @@ def test_seeded_requests_same_alone_in_a_batch_and_without_speculation(models, k
     assert accepted > 0
 
 
+def _verification_batch(runner, rng, drafts_per_chunk):
+    """Requests prefilled up to their last prompt token, and a batch verifying random drafts."""
+    from llmserve.runners.base import SeqChunk, StepBatch
+
+    free = list(range(runner.num_kv_blocks))
+    reqs, chunks = [], []
+    for i, k in enumerate(drafts_per_chunk):
+        n = int(rng.integers(3, 40))
+        r = Request(f"v{i}", rng.integers(0, runner.vocab_size, n).tolist(), SamplingParams(temperature=0.0))
+        r.block_table = [free.pop() for _ in range(-(-(n + k) // runner.block_size))]
+        reqs.append(r)
+        chunks.append(SeqChunk(r, n - 1, 1 + k, True, rng.integers(0, runner.vocab_size, k).tolist()))
+    runner.execute(StepBatch([SeqChunk(r, 0, r.num_prompt_tokens - 1, False) for r in reqs]))
+    return StepBatch(chunks)
+
+
+def test_padded_verification_layout_gives_the_eager_logits(models):
+    """What a verification CUDA graph computes (verify_arrays' padding to q queries a sequence), run
+    eagerly on the CPU over the graphs' static buffers, equals the unpadded eager step's logits."""
+    import torch
+
+    from llmserve.runners.torch.cuda_graphs import DecodeGraphs, verify_arrays
+    from llmserve.runners.torch.inputs import host_arrays
+    from llmserve.runners.torch.runner import TorchRunner
+
+    cfg = Config.from_env(env={}, block_size=4, max_seq_len=256, batch_size=8, block_bs=4)
+    runner = TorchRunner(models["torch"], cfg)
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    batch = _verification_batch(runner, rng, [0, 2, 4, 1, 3])
+    eager = runner.forward_logits(batch)
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, 8, runner.max_blocks_per_seq, 1, max_draft=4)
+    a = host_arrays(batch.chunks, runner.block_size)
+    v = verify_arrays(a, a["q_lens"], 5)
+    with torch.inference_mode():
+        bs = graphs.load(v, q=5)
+        padded = graphs._run(bs, 5)[torch.from_numpy(v["rows"])]
+    torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_verification_matches_eager(models):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    from llmserve.runners.torch.runner import TorchRunner
+
+    cfg = Config.from_env(env={}, block_size=4, max_seq_len=256, batch_size=8, block_bs=4)
+    cfg = dataclasses.replace(cfg, speculate_method="ngram", speculate_max_draft_tokens=4)
+    runner = TorchRunner(models["torch"], cfg)
+    assert runner.graphs is not None and runner.graphs.bucket(5, 5) is not None
+    rng = np.random.default_rng(random.randrange(1 << 30))
+    batch = _verification_batch(runner, rng, [0, 2, 4, 1, 3])
+    graphs = runner.graphs
+    runner.graphs = None
+    eager = runner.forward_logits(batch)
+    runner.graphs = graphs
+    replayed = runner.forward_logits(batch)  # takes the graph path
+    torch.testing.assert_close(replayed, eager, rtol=2e-2, atol=2e-2)
+
+
 def test_ngram_lookup():
     t = np.array([5, 1, 2, 3, 9, 1, 2, 3, 7, 4, 1, 2])
     assert ngram_lookup(t, 3, 3) == [3, 7, 4]  # "1 2" last seen at 5..6, followed by 3 7 4

@@ -1,4 +1,5 @@
-"""Decode steps replayed as CUDA graphs, one graph per bucketed batch size.
+"""Decode and verification steps replayed as CUDA graphs, one graph per (queries per sequence,
+bucketed batch size).
 
 A decode-only step launches ~10 kernels per layer; at small batches the GPU
 would wait on the host between them. Each bucket's graph is captured once
@@ -6,6 +7,11 @@ over static input buffers (token ids, positions, slots, context lengths,
 block tables) laid out in one int32 device buffer, so a step is one host to
 device copy into that buffer plus one replay. Padded rows have context length
 0 and slot -1: they attend to nothing and write no KV.
+
+Speculative decoding's verification steps (every sequence: its last token and k drafts) get graphs
+of q = k + 1 queries per sequence, for k = 1..SPECULATE_MAX_DRAFT_TOKEN_NUM and batches of up to
+MAX_VERIFY_TOKENS tokens. A sequence with fewer drafts is padded to q (`verify_arrays`): its extra
+queries write no KV and come after its real ones, so the causal mask hides them from those.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ from .kernels.attention import AttnMeta, tile_tokens
 
 log = logging.getLogger(__name__)
 
+MAX_VERIFY_TOKENS = 512  # larger verification batches run eagerly (and the draft-length rule avoids them)
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 80, 96, 112, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
@@ -28,29 +35,60 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int =
     return int(min(max_splits, max(1, -(-2 * num_sms // (batch * num_kv_heads)))))
 
 
+def verify_arrays(a: dict[str, np.ndarray], num_tokens: np.ndarray, q: int) -> dict[str, np.ndarray]:
+    """A verification step's host arrays (inputs.host_arrays; every chunk a sampling chunk of its last
+    token and its drafts, `num_tokens` each) padded to q queries per chunk. A pad repeats its chunk's
+    last position (a valid rotary index) with slot -1 (no KV written) and id 0; seq_lens count the
+    pads, so each real query sits where its position says and the causal mask hides the pads from it.
+    `rows`: the padded rows of the real tokens (all of them sampled), in order."""
+    j = np.arange(q)[None, :]
+    real = j < num_tokens[:, None]
+    first = np.cumsum(num_tokens) - num_tokens
+    src = np.where(real, first[:, None] + j, (first + num_tokens - 1)[:, None]).reshape(-1)
+    flat = real.reshape(-1)
+    return dict(
+        ids=np.where(flat, a["ids"][src], 0),
+        positions=a["positions"][src],
+        slots=np.where(flat, a["slots"][src], -1),
+        seq_lens=a["seq_lens"] - num_tokens + q,
+        bt=a["bt"],
+        rows=np.flatnonzero(flat),
+    )
+
+
 class DecodeGraphs:
-    def __init__(self, model, kv_cache: torch.Tensor, max_batch: int, max_blocks: int, num_sms: int) -> None:
+    def __init__(
+        self, model, kv_cache: torch.Tensor, max_batch: int, max_blocks: int, num_sms: int, max_draft: int = 0
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         dev = kv_cache.device
-        self.buckets = [b for b in BUCKETS if b < max_batch] + [max_batch]
         mb = self.max_batch = max_batch
+        decode = [b for b in BUCKETS if b < max_batch] + [max_batch]
+        # q -> its batch buckets: decode (q = 1) up to max_batch, verification up to MAX_VERIFY_TOKENS tokens.
+        self.buckets = {1: decode}
+        for q in range(2, max_draft + 2):
+            self.buckets[q] = [b for b in decode if b * q <= MAX_VERIFY_TOKENS]
         self.max_blocks = max_blocks
+        mt = max(b * q for q, bs in self.buckets.items() for b in bs)  # most tokens of one graph
         # static int32 layout: ids | positions | slots | seq_lens | block tables
-        self.sizes = [mb, mb, mb, mb, mb * max_blocks]
+        self.sizes = [mt, mt, mt, mb, mb * max_blocks]
         self.offsets = np.cumsum([0] + self.sizes)
         self.static = torch.zeros(int(self.offsets[-1]), dtype=torch.int32, device=dev)
         self.staging = PinnedStaging(dev, int(self.offsets[-1]))
-        s = self._views(self.static)
-        self.ids, self.pos, self.slots, self.seq_lens, self.bt = s
-        self.cu_q = torch.arange(mb + 1, dtype=torch.int32, device=dev)
-        self.item_seq = torch.arange(mb, dtype=torch.int32, device=dev)
-        self.item_qstart = torch.zeros(mb, dtype=torch.int32, device=dev)
-        H, KVH = model.num_heads, model.num_kv_heads
-        self.block_t = tile_tokens(H, KVH, decode_only=True)
+        self.ids, self.pos, self.slots, self.seq_lens, self.bt = self._views(self.static)
+        self.block_t = tile_tokens(model.num_heads, model.num_kv_heads, decode_only=True)
+        i32 = dict(dtype=torch.int32, device=dev)
+        # Per q: chunk offsets, and the work items (chunk, first query) of BLOCK_T queries each.
+        self.cu_q, self.items = {}, {}
+        for q in self.buckets:
+            tiles = -(-q // self.block_t)
+            self.cu_q[q] = torch.arange(mb + 1, **i32) * q
+            seq = torch.arange(mb, **i32).repeat_interleave(tiles)
+            self.items[q] = (tiles, seq, (torch.arange(tiles, **i32) * self.block_t).repeat(mb))
         self.num_sms = num_sms
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
     def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -59,20 +97,17 @@ class DecodeGraphs:
         v[4] = v[4].view(self.max_batch, self.max_blocks)
         return v
 
-    def _meta(self, bs: int) -> AttnMeta:
-        KVH = self.model.num_kv_heads
+    def _meta(self, bs: int, q: int) -> AttnMeta:
+        tiles, seq, qstart = self.items[q]
+        n = bs * tiles
+        splits = decode_splits(n, self.model.num_kv_heads, self.num_sms)
         return AttnMeta(
-            self.cu_q[: bs + 1],
-            self.seq_lens[:bs],
-            self.bt[:bs],
-            self.item_seq[:bs],
-            self.item_qstart[:bs],
-            self.block_t,
-            decode_splits(bs, KVH, self.num_sms),
+            self.cu_q[q][: bs + 1], self.seq_lens[:bs], self.bt[:bs], seq[:n], qstart[:n], self.block_t, splits
         )
 
-    def _run(self, bs: int) -> torch.Tensor:
-        hidden = self.model.forward(self.ids[:bs], self.pos[:bs], self.slots[:bs], self._meta(bs), self.kv_cache)
+    def _run(self, bs: int, q: int) -> torch.Tensor:
+        t = bs * q
+        hidden = self.model.forward(self.ids[:t], self.pos[:t], self.slots[:t], self._meta(bs, q), self.kv_cache)
         return self.model.logits(hidden)
 
     @torch.inference_mode()
@@ -81,32 +116,42 @@ class DecodeGraphs:
         self.seq_lens.fill_(1)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
+        # Largest first (the most tokens): later graphs reuse its memory pool.
+        keys = sorted(((q, b) for q, bs in self.buckets.items() for b in bs), key=lambda k: -k[0] * k[1])
         with torch.cuda.stream(stream):
-            for bs in reversed(self.buckets):  # largest first: later graphs reuse its pool
-                self._run(bs)  # warm up (compiles kernels, picks cuBLAS algorithms)
+            for q, bs in keys:
+                self._run(bs, q)  # warm up (compiles kernels, picks cuBLAS algorithms)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    self.logits[bs] = self._run(bs)
+                    self.logits[q, bs] = self._run(bs, q)
                 if self.pool is None:
                     self.pool = g.pool()
-                self.graphs[bs] = g
+                self.graphs[q, bs] = g
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
-        log.info("captured decode CUDA graphs for batch sizes %s", self.buckets)
+        log.info("captured CUDA graphs: %s", {q: bs for q, bs in self.buckets.items()})
 
-    def bucket(self, batch: int) -> int | None:
-        return next((b for b in self.buckets if b >= batch), None)
+    def bucket(self, batch: int, q: int = 1) -> int | None:
+        return next((b for b in self.buckets.get(q, ()) if b >= batch), None)
 
-    def replay(self, a: dict[str, np.ndarray], fill_ids=None) -> torch.Tensor:
-        """Logits [bucket, V] of a decode-only step given host arrays (inputs.host_arrays);
-        `fill_ids(ids)` may then write device-side inputs into the static ids before the replay."""
-        B = a["ids"].shape[0]
-        bs = self.bucket(B)
+    def replay(self, a: dict[str, np.ndarray], fill_ids=None, q: int = 1) -> torch.Tensor:
+        """Logits [bucket * q, V] of a decode-only step (q = 1) or a padded verification step
+        (`verify_arrays`) given its host arrays; `fill_ids(ids)` may then write device-side inputs
+        into the static ids before the replay."""
+        bs = self.load(a, fill_ids, q)
+        self.graphs[q, bs].replay()
+        return self.logits[q, bs]
+
+    def load(self, a: dict[str, np.ndarray], fill_ids=None, q: int = 1) -> int:
+        """Copy a step's inputs into the static buffers (padding the bucket); returns the bucket.
+        `_run(bucket, q)` then computes what the graph would (eagerly: how the tests check graph inputs on a CPU)."""
+        B = a["seq_lens"].shape[0]
+        bs = self.bucket(B, q)
+        T, Tb = B * q, bs * q
         staging = self.staging.take(int(self.offsets[-1]))
-        host = self._views(staging)
-        ids, pos, slots, lens, bt = (t.numpy() for t in host)
-        ids[:B], pos[:B], slots[:B], lens[:B] = a["ids"], a["positions"], a["slots"], a["seq_lens"]
-        ids[B:bs], pos[B:bs], slots[B:bs], lens[B:bs] = 0, 0, -1, 0
+        ids, pos, slots, lens, bt = (t.numpy() for t in self._views(staging))
+        ids[:T], pos[:T], slots[:T], lens[:B] = a["ids"], a["positions"], a["slots"], a["seq_lens"]
+        ids[T:Tb], pos[T:Tb], slots[T:Tb], lens[B:bs] = 0, 0, -1, 0
         w = a["bt"].shape[1]
         bt[:B, :w] = a["bt"]
         # one copy: everything up to the end of the block-table rows in use
@@ -115,5 +160,4 @@ class DecodeGraphs:
         self.staging.copied()
         if fill_ids is not None:
             fill_ids(self.ids[:B])
-        self.graphs[bs].replay()
-        return self.logits[bs]
+        return bs

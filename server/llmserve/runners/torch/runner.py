@@ -22,7 +22,7 @@ from llmserve.config import Config
 from llmserve.models.config import ModelConfig
 from llmserve.runners.base import ModelRunner, SeqChunk, StepBatch, StepResult, split_prompt_logprobs
 
-from .cuda_graphs import DecodeGraphs, decode_splits
+from .cuda_graphs import DecodeGraphs, decode_splits, verify_arrays
 from .inputs import StepInputs, Uploader, host_arrays, work_items
 from .kernels.attention import AttnMeta, tile_tokens
 from .model import DecoderModel
@@ -101,8 +101,9 @@ class TorchRunner(ModelRunner):
         )
         self.graphs: DecodeGraphs | None = None
         if cuda and config.cuda_graphs:
+            drafts = config.speculate_max_draft_tokens if config.speculate_method != "none" else 0
             self.graphs = DecodeGraphs(
-                self.model, self.kv_cache, min(self.max_batch, 512), self.max_blocks_per_seq, self.num_sms
+                self.model, self.kv_cache, min(self.max_batch, 512), self.max_blocks_per_seq, self.num_sms, drafts
             )
             self.graphs.capture()
 
@@ -231,17 +232,22 @@ class TorchRunner(ModelRunner):
         """Sampled rows' logits, and for an eager step its hidden states and inputs (None from a graph)."""
         B = len(batch.chunks)
         self._mark_start()
-        if (
-            self.graphs is not None
-            and "plp_tok" not in a  # the graphs return the logits of one row per chunk only
-            and a["ids"].shape[0] == B
-            and a["bt"].shape[1] <= self.graphs.max_blocks
-            and self.graphs.bucket(B) is not None
-        ):
-            logits = self.graphs.replay(a, lambda ids: self._fill_pending(batch, ids, a))
-            if a["sampled"].shape[0] == B:
-                return logits[:B], None, None
-            return logits[torch.from_numpy(a["sampled"]).to(self.device)], None, None
+        g = self.graphs
+        # The graphs return the logits of sampled rows only, not of prompt-logprob positions.
+        if g is not None and "plp_tok" not in a and a["bt"].shape[1] <= g.max_blocks:
+            if a["ids"].shape[0] == B and g.bucket(B) is not None:  # decode only
+                logits = g.replay(a, lambda ids: self._fill_pending(batch, ids, a))
+                if a["sampled"].shape[0] == B:
+                    return logits[:B], None, None
+                return logits[torch.from_numpy(a["sampled"]).to(self.device)], None, None
+            q = 1 + max(len(c.draft_token_ids) for c in batch.chunks)
+            n = a["q_lens"]
+            # Verification only: every chunk its last token and drafts (no prefill chunk beside them).
+            if q > 1 and g.bucket(B, q) is not None and all(c.sample for c in batch.chunks):
+                if (n == np.fromiter((c.num_sampled_rows for c in batch.chunks), np.int64, B)).all():
+                    v = verify_arrays(a, n, q)
+                    logits = g.replay(v, q=q)
+                    return logits[torch.from_numpy(v["rows"]).to(self.device)], None, None
         x = self.prepare(batch, a)
         self._fill_pending(batch, x.input_ids, a)
         hidden = self.model.forward(x.input_ids, x.positions, x.slot_mapping, x.meta, self.kv_cache)

@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""GPU benchmark of speculative decoding (issue 14): one run, one table, one JSON.
+
+  --oracle: a random-weight Llama-3-8B-shaped bf16 checkpoint and an oracle proposer that proposes
+    the target's own greedy continuation (taken from the plain run of the same prompts, which is
+    the baseline). Decode tokens/s with k = 1..5 (fixed) and with the adaptive rule (k <= 5),
+    against plain decoding, at batch 1, 16, 64, 256; and the verification step's time against a
+    plain decode step at batch 1.
+  --trained DIR: the models of scripts/train_models.sh (DIR/target with its MTP layer, DIR/draft):
+    acceptance rate and mean accepted length of each method for k = 1..5 on held-out stdlib
+    completions (greedy), and decode tokens/s at 1, 8 and 64 concurrent requests with each method
+    (adaptive, k <= 5) against no speculation, in the same run.
+
+Decode tokens/s counts the tokens after each request's first, over the time from the step that
+gave the last request its first token to the end (prefill excluded; all requests start together).
+
+Usage: PYTHONPATH=server python scripts/bench_spec.py --out spec.json [--oracle] [--trained DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from llmserve.config import Config
+from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.request import Request
+from llmserve.engine.sampling_params import SamplingParams
+from llmserve.engine.speculative import Proposer
+from llmserve.runners.torch.runner import TorchRunner
+
+R: dict = {}
+GREEDY = dict(temperature=0.0, ignore_eos=True)
+
+
+def save(out: str) -> None:
+    Path(out).write_text(json.dumps(R, indent=1))
+
+
+class OracleProposer(Proposer):
+    """Proposes the continuation a plain greedy run produced: what the target will accept."""
+
+    def __init__(self, continuations: dict[str, list[int]]) -> None:
+        self.cont = continuations
+
+    def propose(self, reqs: list[Request], k: int) -> None:
+        for r in reqs:
+            n = len(r.output_token_ids)
+            r.draft_token_ids = self.cont[r.req_id][n : n + k]
+
+
+def decode_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """All prompts at once; decode tokens/s and ms/step after the last first token, the tokens, spec stats."""
+    s0 = engine.stats()
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"q{i}", ids, SamplingParams(max_tokens=max_tokens, **GREEDY))
+    got = {f"q{i}": [] for i in range(len(prompts))}
+    t_first = steps_after = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            got[o.req_id] += o.new_token_ids
+        if t_first is None and all(got.values()):
+            torch.cuda.synchronize()
+            t_first, steps_after = time.perf_counter(), engine.stats().steps
+    torch.cuda.synchronize()
+    wall = time.perf_counter() - t_first
+    s1 = engine.stats()
+    n_dec = sum(len(t) - 1 for t in got.values())
+    verified = s1.spec_verified - s0.spec_verified
+    drafted = s1.spec_draft_tokens - s0.spec_draft_tokens
+    accepted = s1.spec_accepted_tokens - s0.spec_accepted_tokens
+    return dict(
+        decode_tok_s=n_dec / wall,
+        ms_per_step=wall / max(1, s1.steps - steps_after) * 1e3,
+        acceptance=accepted / drafted if drafted else None,
+        mean_accepted_len=1 + accepted / verified if verified else None,
+        tokens=got,
+    )
+
+
+def engine_for(runner: TorchRunner, cfg: Config, k: int, adaptive: bool, proposer: Proposer | None) -> LLMEngine:
+    spec = dataclasses.replace(cfg, speculate_max_draft_tokens=max(1, k), speculate_adaptive=adaptive)
+    engine = LLMEngine(spec, runner)
+    if proposer is not None:
+        engine.proposer = proposer
+    return engine
+
+
+def bench_oracle(out: str, batches: list[int], max_tokens: int, shape: str = "llama3-8b") -> None:
+    from llmserve.runners.torch.random_model import write_random_checkpoint
+
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
+    model_dir = f"{root}/llmserve-random-v3-{shape}"
+    t = time.perf_counter()
+    write_random_checkpoint(
+        model_dir, shape, **({} if torch.cuda.is_available() else dict(device="cpu", dtype=torch.float32))
+    )
+    R["oracle_build_s"] = time.perf_counter() - t
+    base = Config(batch_size=max(batches), max_seq_len=1024, block_size=64, max_num_batched_tokens=4096)
+    base = dataclasses.replace(
+        base, enable_prefix_caching=False, speculate_method="ngram", speculate_max_draft_tokens=5
+    )
+    t = time.perf_counter()
+    runner = TorchRunner(model_dir, base)  # graphs for decode and for verification with k = 1..5
+    R["oracle_load_s"] = time.perf_counter() - t
+    plain_cfg = dataclasses.replace(base, speculate_method="none")
+    rng = np.random.default_rng(0)
+    V = runner.vocab_size
+    decode_run(LLMEngine(plain_cfg, runner), [rng.integers(0, V, 200).tolist() for _ in range(4)], 16)  # warm-up
+    R["oracle"] = rows = []
+    for B in batches:
+        prompts = [rng.integers(0, V, 128).tolist() for _ in range(B)]
+        plain = decode_run(LLMEngine(plain_cfg, runner), prompts, max_tokens)
+        oracle = OracleProposer(plain.pop("tokens"))
+        row = dict(batch=B, plain_tok_s=plain["decode_tok_s"], plain_ms_per_step=plain["ms_per_step"])
+        for k in range(1, 6):
+            r = decode_run(engine_for(runner, base, k, False, oracle), prompts, max_tokens)
+            r.pop("tokens")
+            row[f"k{k}"] = dict(r, speedup=r["decode_tok_s"] / plain["decode_tok_s"])
+        r = decode_run(engine_for(runner, base, 5, True, oracle), prompts, max_tokens)
+        r.pop("tokens")
+        row["adaptive"] = dict(r, speedup=r["decode_tok_s"] / plain["decode_tok_s"])
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items()}, default=str), flush=True)
+        save(out)
+    b1 = next((r for r in rows if r["batch"] == 1), None)
+    if b1:
+        R["oracle_verify_step_vs_plain_b1_k4"] = b1["k4"]["ms_per_step"] / b1["plain_ms_per_step"]
+    del runner
+    torch.cuda.empty_cache()
+
+
+def heldout_prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """n windows of `length` tokens from the held-out files of the training corpus."""
+    from llmserve.train.corpus import load_corpus, read_source
+
+    corpus = load_corpus(Path(os.environ["LLMSERVE_CORPUS"]) if os.environ.get("LLMSERVE_CORPUS") else None)
+    rng = np.random.default_rng(seed)
+    out = []
+    for rel in rng.permutation(np.array(corpus.heldout, dtype=object)):
+        text = read_source(corpus.root / rel)
+        ids = tokenizer.encode(text) if text else []
+        if len(ids) > length + 8:
+            s = int(rng.integers(0, len(ids) - length))
+            out.append(ids[s : s + length])
+        if len(out) == n:
+            break
+    return out
+
+
+def bench_trained(out: str, models: str, max_tokens: int) -> None:
+    from llmserve.engine.tokenizer import load_tokenizer
+
+    target, draft = Path(models) / "target", Path(models) / "draft"
+    base = Config(batch_size=64, max_seq_len=1024, block_size=16, max_num_batched_tokens=4096)
+    base = dataclasses.replace(base, speculate_method="ngram", speculate_max_draft_tokens=5)
+    runner = TorchRunner(str(target), base)
+    prompts = heldout_prompts(load_tokenizer(str(target)), 64, 256)
+    methods = {"ngram": dict(speculate_method="ngram")}
+    if draft.is_dir():
+        methods["draft"] = dict(speculate_method="draft", speculate_model_path=str(draft))
+    R["trained_acceptance"] = acc = {}
+    R["trained_decode"] = dec = []
+    plain_cfg = dataclasses.replace(base, speculate_method="none")
+    decode_run(LLMEngine(plain_cfg, runner), prompts[:4], 16)  # warm-up
+    for name, kw in methods.items():
+        acc[name] = {}
+        for k in range(1, 6):
+            try:
+                engine = engine_for(runner, dataclasses.replace(base, **kw), k, False, None)
+            except Exception as e:  # a method this build cannot run: say so in the table
+                acc[name] = {"error": str(e)}
+                break
+            r = decode_run(engine, prompts[:32], max_tokens)
+            acc[name][f"k{k}"] = dict(acceptance=r["acceptance"], mean_accepted_len=r["mean_accepted_len"])
+        print(name, json.dumps(acc[name]), flush=True)
+        save(out)
+    acc["mtp"] = {"error": "SPECULATE_METHOD=mtp is not built yet"}
+    for c in (1, 8, 64):
+        row = {"concurrency": c, "none": decode_run(LLMEngine(plain_cfg, runner), prompts[:c], max_tokens)}
+        for name, kw in methods.items():
+            if "error" not in acc[name]:
+                row[name] = decode_run(
+                    engine_for(runner, dataclasses.replace(base, **kw), 5, True, None), prompts[:c], max_tokens
+                )
+        for v in row.values():
+            if isinstance(v, dict):
+                v.pop("tokens", None)
+        for name in methods:
+            if name in row:
+                row[name]["speedup"] = row[name]["decode_tok_s"] / row["none"]["decode_tok_s"]
+        dec.append(row)
+        print(json.dumps(row, default=str), flush=True)
+        save(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="bench_spec.json")
+    ap.add_argument("--oracle", action="store_true")
+    ap.add_argument("--batches", default="1,16,64,256")
+    ap.add_argument("--shape", default="llama3-8b", help="random-weight shape of --oracle")
+    ap.add_argument("--trained", default="")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    args = ap.parse_args()
+    R["device"] = torch.cuda.get_device_name()
+    R["torch"] = torch.__version__
+    if args.oracle:
+        bench_oracle(args.out, [int(b) for b in args.batches.split(",")], args.max_tokens, args.shape)
+    if args.trained:
+        bench_trained(args.out, args.trained, args.max_tokens)
+    save(args.out)
+
+
+if __name__ == "__main__":
+    main()
