@@ -37,6 +37,7 @@ from llmserve.engine.speculative import Proposer
 from llmserve.runners.torch.runner import TorchRunner
 
 R: dict = {}
+RUNS = [0]  # request ids are unique over the whole run: a proposer shared by engines keeps per-id state
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -47,21 +48,23 @@ def save(out: str) -> None:
 class OracleProposer(Proposer):
     """Proposes the continuation a plain greedy run produced: what the target will accept."""
 
-    def __init__(self, continuations: dict[str, list[int]]) -> None:
-        self.cont = continuations
+    def __init__(self, continuations: list[list[int]]) -> None:
+        self.cont = continuations  # of the prompts in order (request ids "r<run>-<index>")
 
     def propose(self, reqs: list[Request], k: int) -> None:
         for r in reqs:
             n = len(r.output_token_ids)
-            r.draft_token_ids = self.cont[r.req_id][n : n + k]
+            r.draft_token_ids = self.cont[int(r.req_id.rsplit("-", 1)[1])][n : n + k]
 
 
 def decode_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
     """All prompts at once; decode tokens/s and ms/step after the last first token, the tokens, spec stats."""
     s0 = engine.stats()
-    for i, ids in enumerate(prompts):
-        engine.add_request(f"q{i}", ids, SamplingParams(max_tokens=max_tokens, **GREEDY))
-    got = {f"q{i}": [] for i in range(len(prompts))}
+    RUNS[0] += 1
+    ids_of = {f"r{RUNS[0]}-{i}": ids for i, ids in enumerate(prompts)}
+    for rid, ids in ids_of.items():
+        engine.add_request(rid, ids, SamplingParams(max_tokens=max_tokens, **GREEDY))
+    got = {rid: [] for rid in ids_of}
     t_first = steps_after = None
     while engine.has_unfinished():
         for o in engine.step():
@@ -73,15 +76,18 @@ def decode_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     wall = time.perf_counter() - t_first
     s1 = engine.stats()
     n_dec = sum(len(t) - 1 for t in got.values())
+    steps = max(1, s1.steps - steps_after)
     verified = s1.spec_verified - s0.spec_verified
     drafted = s1.spec_draft_tokens - s0.spec_draft_tokens
     accepted = s1.spec_accepted_tokens - s0.spec_accepted_tokens
     return dict(
         decode_tok_s=n_dec / wall,
-        ms_per_step=wall / max(1, s1.steps - steps_after) * 1e3,
+        ms_per_step=wall / steps * 1e3,
+        # The device's share (the runner's step events; the prefill steps too, a few of many).
+        gpu_ms_per_step=(s1.model_time - s0.model_time) / max(1, s1.steps - s0.steps) * 1e3,
         acceptance=accepted / drafted if drafted else None,
         mean_accepted_len=1 + accepted / verified if verified else None,
-        tokens=got,
+        tokens=list(got.values()),  # in prompt order
     )
 
 
@@ -91,6 +97,19 @@ def engine_for(runner: TorchRunner, cfg: Config, k: int, adaptive: bool, propose
     if proposer is not None:
         engine.proposer = proposer
     return engine
+
+
+def oracle_run(runner, cfg: Config, k: int, oracle: OracleProposer, prompts, max_tokens: int, tries: int = 3) -> dict:
+    """A run whose proposals are its own greedy continuation. The plain run's continuation is not
+    quite that: a random-weight model's logits are nearly flat, and a verification step's different
+    shapes round differently, so some argmaxes flip. So run again proposing the last run's output,
+    until all proposals are accepted (then the steps' shapes, hence their rounding, repeat)."""
+    for _ in range(tries):
+        r = decode_run(engine_for(runner, cfg, k or 5, k == 0, oracle), prompts, max_tokens)
+        oracle = OracleProposer(r.pop("tokens"))
+        if r["acceptance"] == 1.0:
+            break
+    return r
 
 
 def bench_oracle(out: str, batches: list[int], max_tokens: int, shape: str = "llama3-8b") -> None:
@@ -120,13 +139,9 @@ def bench_oracle(out: str, batches: list[int], max_tokens: int, shape: str = "ll
         plain = decode_run(LLMEngine(plain_cfg, runner), prompts, max_tokens)
         oracle = OracleProposer(plain.pop("tokens"))
         row = dict(batch=B, plain_tok_s=plain["decode_tok_s"], plain_ms_per_step=plain["ms_per_step"])
-        for k in range(1, 6):
-            r = decode_run(engine_for(runner, base, k, False, oracle), prompts, max_tokens)
-            r.pop("tokens")
-            row[f"k{k}"] = dict(r, speedup=r["decode_tok_s"] / plain["decode_tok_s"])
-        r = decode_run(engine_for(runner, base, 5, True, oracle), prompts, max_tokens)
-        r.pop("tokens")
-        row["adaptive"] = dict(r, speedup=r["decode_tok_s"] / plain["decode_tok_s"])
+        for k in [*range(1, 6), 0]:  # 0: adaptive, k <= 5
+            r = oracle_run(runner, base, k, oracle, prompts, max_tokens)
+            row[f"k{k}" if k else "adaptive"] = dict(r, speedup=r["decode_tok_s"] / plain["decode_tok_s"])
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items()}, default=str), flush=True)
         save(out)
@@ -137,11 +152,11 @@ def bench_oracle(out: str, batches: list[int], max_tokens: int, shape: str = "ll
     torch.cuda.empty_cache()
 
 
-def heldout_prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[list[int]]:
+def heldout_prompts(tokenizer, n: int, length: int, corpus_root: str = "", seed: int = 0) -> list[list[int]]:
     """n windows of `length` tokens from the held-out files of the training corpus."""
     from llmserve.train.corpus import load_corpus, read_source
 
-    corpus = load_corpus(Path(os.environ["LLMSERVE_CORPUS"]) if os.environ.get("LLMSERVE_CORPUS") else None)
+    corpus = load_corpus(Path(corpus_root) if corpus_root else None)
     rng = np.random.default_rng(seed)
     out = []
     for rel in rng.permutation(np.array(corpus.heldout, dtype=object)):
@@ -155,14 +170,14 @@ def heldout_prompts(tokenizer, n: int, length: int, seed: int = 0) -> list[list[
     return out
 
 
-def bench_trained(out: str, models: str, max_tokens: int) -> None:
+def bench_trained(out: str, models: str, max_tokens: int, corpus: str = "") -> None:
     from llmserve.engine.tokenizer import load_tokenizer
 
     target, draft = Path(models) / "target", Path(models) / "draft"
     base = Config(batch_size=64, max_seq_len=1024, block_size=16, max_num_batched_tokens=4096)
     base = dataclasses.replace(base, speculate_method="ngram", speculate_max_draft_tokens=5)
     runner = TorchRunner(str(target), base)
-    prompts = heldout_prompts(load_tokenizer(str(target)), 64, 256)
+    prompts = heldout_prompts(load_tokenizer(str(target)), 64, 256, corpus)
     methods = {"ngram": dict(speculate_method="ngram")}
     if draft.is_dir():
         methods["draft"] = dict(speculate_method="draft", speculate_model_path=str(draft))
@@ -170,14 +185,16 @@ def bench_trained(out: str, models: str, max_tokens: int) -> None:
     R["trained_decode"] = dec = []
     plain_cfg = dataclasses.replace(base, speculate_method="none")
     decode_run(LLMEngine(plain_cfg, runner), prompts[:4], 16)  # warm-up
+    proposers = {}
     for name, kw in methods.items():
         acc[name] = {}
+        try:  # one proposer (and draft model) per method, shared by its engines
+            proposers[name] = engine_for(runner, dataclasses.replace(base, **kw), 5, False, None).proposer
+        except Exception as e:  # a method this build cannot run: say so in the table
+            acc[name] = {"error": f"{type(e).__name__}: {e}"}
+            continue
         for k in range(1, 6):
-            try:
-                engine = engine_for(runner, dataclasses.replace(base, **kw), k, False, None)
-            except Exception as e:  # a method this build cannot run: say so in the table
-                acc[name] = {"error": str(e)}
-                break
+            engine = engine_for(runner, base, k, False, proposers[name])
             r = decode_run(engine, prompts[:32], max_tokens)
             acc[name][f"k{k}"] = dict(acceptance=r["acceptance"], mean_accepted_len=r["mean_accepted_len"])
         print(name, json.dumps(acc[name]), flush=True)
@@ -185,11 +202,9 @@ def bench_trained(out: str, models: str, max_tokens: int) -> None:
     acc["mtp"] = {"error": "SPECULATE_METHOD=mtp is not built yet"}
     for c in (1, 8, 64):
         row = {"concurrency": c, "none": decode_run(LLMEngine(plain_cfg, runner), prompts[:c], max_tokens)}
-        for name, kw in methods.items():
-            if "error" not in acc[name]:
-                row[name] = decode_run(
-                    engine_for(runner, dataclasses.replace(base, **kw), 5, True, None), prompts[:c], max_tokens
-                )
+        for name in methods:
+            if name in proposers:
+                row[name] = decode_run(engine_for(runner, base, 5, True, proposers[name]), prompts[:c], max_tokens)
         for v in row.values():
             if isinstance(v, dict):
                 v.pop("tokens", None)
@@ -209,13 +224,14 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b", help="random-weight shape of --oracle")
     ap.add_argument("--trained", default="")
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--corpus", default="", help="--trained: the stdlib root the models were trained on")
     args = ap.parse_args()
     R["device"] = torch.cuda.get_device_name()
     R["torch"] = torch.__version__
     if args.oracle:
         bench_oracle(args.out, [int(b) for b in args.batches.split(",")], args.max_tokens, args.shape)
     if args.trained:
-        bench_trained(args.out, args.trained, args.max_tokens)
+        bench_trained(args.out, args.trained, args.max_tokens, args.corpus)
     save(args.out)
 
 

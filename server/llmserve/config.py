@@ -298,11 +298,17 @@ class Config:
             errors.append(f"SPECULATE_MAX_DRAFT_TOKEN_NUM={self.speculate_max_draft_tokens}: must be in 1..8")
         if not 1 <= self.speculate_max_ngram_size <= 8:
             errors.append(f"SPECULATE_MAX_NGRAM_SIZE={self.speculate_max_ngram_size}: must be in 1..8")
-        if self.speculate_method in ("draft", "mtp"):
+        if self.speculate_method == "mtp":
             errors.append(
-                f"SPECULATE_METHOD={self.speculate_method}: not supported yet (use ngram); "
-                "draft-model and MTP proposals are not built"
+                f"SPECULATE_METHOD={self.speculate_method}: not supported yet (use ngram or draft); "
+                "MTP proposals are not built"
             )
+        elif self.speculate_method == "draft":
+            if not self.speculate_model_path:
+                errors.append(
+                    "SPECULATE_METHOD=draft needs SPECULATE_MODEL_PATH: the draft model's directory "
+                    "(an HF safetensors checkpoint with the target's tokenizer)"
+                )
         elif self.speculate_model_path:
             errors.append(
                 f"SPECULATE_MODEL_PATH={self.speculate_model_path!r}: SPECULATE_METHOD={self.speculate_method} "

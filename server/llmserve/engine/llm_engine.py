@@ -83,14 +83,14 @@ class LLMEngine:
             long_prefill_tokens=config.long_prefill_tokens or runner.default_long_prefill_tokens,
         )
         # Speculative decoding (SPECULATE_METHOD): proposals verified in the next step.
-        self.proposer = build_proposer(config)
+        self.proposer = build_proposer(config, runner)
         k = config.speculate_max_draft_tokens
         self.spec_stats = SpecStats(k)
         self.draft_length = DraftLength(k, runner.saturation_tokens, config.speculate_adaptive)
         # Overlapped scheduling: step N+1 is scheduled and launched before step N's tokens are
         # taken in, so host work runs while the device computes (runners that launch asynchronously).
-        # Not with speculation: a step's proposals depend on the accepted tokens of the one before.
-        self.overlap = runner.overlap and config.overlap_scheduling and self.proposer is None
+        # Not for a step that verifies proposals: they follow the tokens the step before accepted.
+        self.overlap = runner.overlap and config.overlap_scheduling
         self.capacity_tokens = runner.num_kv_blocks * runner.block_size
         self.requests: dict[str, Request] = {}
         self._text: dict[str, TextState] = {}
@@ -163,11 +163,19 @@ class LLMEngine:
         """Schedule and launch one step; return the outputs of the step that completed.
 
         Serial: launch step N and take its tokens in. Overlapped: launch step N+1, then take in
-        step N's tokens while N+1 runs (a request that ended in N has its N+1 token dropped)."""
+        step N's tokens while N+1 runs (a request that ended in N has its N+1 token dropped).
+        A step that verifies proposals is serial: they follow the tokens its predecessor accepted,
+        so that one is taken in first; when the draft-length rule gives k = 0 (a busy engine),
+        steps overlap as without speculation."""
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
+        batch = len(self.scheduler.running) + len(self.scheduler.waiting)
+        k = self._draft_length(batch) if self.proposer is not None else 0
+        if k and self._inflight is not None:
+            outputs += self._take_in(*self._inflight)
+            self._inflight = None
         if self.proposer is not None:
-            self._propose()
+            self._propose(k)
         sched = self.scheduler.schedule()
         self._preemptions += len(sched.preempted)
         launched = None
@@ -177,22 +185,35 @@ class LLMEngine:
             self._steps += 1
         t1 = time.perf_counter()
         self._schedule_time += t1 - t0
-        done, self._inflight = (self._inflight, launched) if self.overlap else (launched, None)
+        overlap = self.overlap and not k
+        done, self._inflight = (self._inflight, launched) if overlap else (launched, None)
         if done is not None:
             outputs += self._take_in(*done)
-        self._step_time += time.perf_counter() - t0
+        elapsed = time.perf_counter() - t0
+        self._step_time += elapsed
+        if self.proposer is not None and launched is not None:
+            self.draft_length.observe(batch, k, elapsed)
         return outputs
 
-    def _propose(self) -> None:
-        """Proposals for the decoding requests, k of them from the batch size and acceptance."""
+    def _draft_length(self, batch: int) -> int:
+        """Drafts per request for the next step: the rule's k for the load (running requests and
+        those waiting: their prompts come first, and a verification step would hold them up), capped
+        so that the step samples at most the rows the runner has room for."""
+        k = self.draft_length.choose(batch, self.spec_stats.acceptance)
+        cap = self.runner.max_sampled_rows
+        if cap and batch:  # the sampler's scratch (and the KV sizing) allow that many rows a step
+            k = max(0, min(k, cap // batch - 1))
+        return k
+
+    def _propose(self, k: int) -> None:
+        """Proposals (k each) for the decoding requests; stale ones are cleared."""
         if self._left:
             self.proposer.drop(self._left)
         decoding = []
         for req in self.scheduler.running:
-            req.draft_token_ids = []
+            req.draft_token_ids, req.draft_probs = [], None
             if req.num_tokens - req.num_computed_tokens == 1 and not req.done_sampling(self.max_model_len):
                 decoding.append(req)
-        k = self.draft_length.choose(len(decoding), self.spec_stats.acceptance)
         if k and decoding:
             self.proposer.propose(decoding, k)
 

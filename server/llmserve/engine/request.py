@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llmserve.engine.sampling_params import SamplingParams
 
@@ -48,6 +48,9 @@ class Request:
     num_preemptions: int = 0
     # Tokens proposed to follow its last one (speculative decoding), verified in its next step.
     draft_token_ids: list[int] = field(default_factory=list)
+    # Their proposal distribution q (a draft model's; a [k, V] float32 device tensor, row j for draft j),
+    # verified by rejection sampling against it; None: no q (n-gram, greedy), the one-hot path.
+    draft_probs: Any = None
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     # Prompt logprobs gathered over its prefill steps (entry p: token p given the tokens before it;

@@ -9,6 +9,10 @@ Proposers:
 - `ngram` (prompt lookup): the longest suffix of the request's tokens (SPECULATE_MAX_NGRAM_SIZE
   down to 1) that occurred before in its own prompt or output proposes the tokens that followed
   its latest occurrence. No model; host numpy, O(length) per request per step.
+- `draft`: a smaller model with the target's tokenizer (SPECULATE_MODEL_PATH), run k times per
+  step with its own paged KV cache; it also hands over its proposal distribution q
+  (`Request.draft_probs`), which sampled requests are verified against by rejection sampling.
+  Torch runner only (runners/torch/draft.py).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import abc
 
 import numpy as np
 
-from llmserve.config import Config
+from llmserve.config import Config, ConfigError
 from llmserve.engine.request import Request
+from llmserve.runners.base import ModelRunner
 
 
 class Proposer(abc.ABC):
@@ -77,10 +82,25 @@ class NgramProposer(Proposer):
             self._tokens.pop(rid, None)
 
 
-def build_proposer(config: Config) -> Proposer | None:
+def build_proposer(config: Config, runner: ModelRunner) -> Proposer | None:
+    """The proposer of SPECULATE_METHOD for the engine serving `runner` (None: no speculation).
+    Raises ConfigError, naming the setting, for a combination that cannot run."""
     if config.speculate_method == "ngram":
         return NgramProposer(config.speculate_max_ngram_size)
-    return None  # "none" (draft and mtp are refused by Config.validate)
+    if config.speculate_method == "draft":
+        try:
+            from llmserve.runners.torch.draft import DraftModelProposer
+            from llmserve.runners.torch.runner import TorchRunner
+        except ImportError:  # no torch: then the runner is not a TorchRunner either
+            TorchRunner = None  # noqa: N806
+        if TorchRunner is None or not isinstance(runner, TorchRunner):
+            raise ConfigError(
+                f"SPECULATE_METHOD=draft runs on the torch runner only, and this model is served by "
+                f"{type(runner).__name__} (a Paddle static-graph MODEL_DIR or LLMSERVE_RUNNER=paddle): use "
+                "SPECULATE_METHOD=ngram, or serve an HF safetensors model with LLMSERVE_RUNNER=torch"
+            )
+        return DraftModelProposer(config, runner)
+    return None  # "none" (mtp is refused by Config.validate)
 
 
 class SpecStats:
@@ -123,26 +143,65 @@ class DraftLength:
     """k per step: the draft length with the most expected tokens per unit of step time.
 
     With per-position acceptance a, k drafts yield E(k) = 1 + a + ... + a^k tokens per request.
-    A step over t tokens costs max(1, t / S) (S: the runner's `saturation_tokens`, where a step stops
-    being bound by reading the weights and becomes bound by compute), plus OVERHEAD per draft
-    (attention over more queries, more sampled rows). For B decoding requests choose the k in 0..K
-    maximising E(k) / cost(B (k + 1)): at a small batch verification is nearly free and k grows with
-    a; once B (k + 1) passes S each extra draft costs its full share, and at B >= S the rule gives 0,
-    plain decoding, so a loaded server is never slower."""
+    Choose the k in 0..K maximising E(k) / cost(k), cost relative to a plain step (k = 0):
+    - measured, once both are: the decayed mean wall time of steps with k drafts over that of plain
+      steps, for loads of the same size (a power-of-two bucket of the batch). This sees everything
+      a verification step costs: the proposer's work, the host work that overlapped plain steps
+      hide, the kernels' shapes. The first and every EXPLORE-th step of a bucket try the other
+      choice (a plain step while speculating, the model's k while not), so the measurements follow
+      the load;
+    - until then, modelled: a step over t tokens costs max(1, t / S) (S: the runner's
+      `saturation_tokens`, where a step stops being bound by reading the weights), plus OVERHEAD
+      per draft; so at a small batch verification is nearly free, and at B >= S the rule gives 0.
+    So speculation stops where it does not pay: on a saturated GPU, and on a host-bound model."""
 
     OVERHEAD = 0.02
+    EXPLORE = 32
+    DECAY = 0.8  # of the mean step time: the last ~5 steps of a kind count most
 
     def __init__(self, max_k: int, saturation_tokens: int, adaptive: bool = True) -> None:
         self.max_k, self.saturation, self.adaptive = max_k, saturation_tokens, adaptive
+        self._time: dict[tuple[int, int], float] = {}  # (batch bucket, k) -> decayed mean step seconds
+        self._steps: dict[int, int] = {}  # choices made per batch bucket
+
+    @staticmethod
+    def _bucket(batch: int) -> int:
+        return max(1, batch).bit_length()
+
+    def observe(self, batch: int, k: int, seconds: float) -> None:
+        """A step of `k` drafts per request (0: plain) took `seconds` of wall time at this load."""
+        key = (self._bucket(batch), k)
+        old = self._time.get(key)
+        self._time[key] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+
+    def modelled(self, batch: int, acceptance: float) -> int:
+        return self._best(acceptance, lambda k: self._model_cost(batch, k) / self._model_cost(batch, 0))
 
     def choose(self, batch: int, acceptance: float) -> int:
         if not self.adaptive:
             return self.max_k
         if batch < 1:
             return 0
+        b = self._bucket(batch)
+        plain = self._time.get((b, 0))
 
+        def cost(k: int) -> float:
+            t = self._time.get((b, k))
+            if k and plain and t:
+                return t / plain
+            return self._model_cost(batch, k) / self._model_cost(batch, 0)
+
+        best = self._best(acceptance, cost)
+        n = self._steps[b] = self._steps.get(b, 0) + 1
+        if n % self.EXPLORE == 1:  # measure the road not taken (at once: short runs need it too)
+            return 0 if best else self.modelled(batch, acceptance)
+        return best
+
+    def _model_cost(self, batch: int, k: int) -> float:
+        return max(1.0, batch * (k + 1) / self.saturation) * (1 + self.OVERHEAD * k)
+
+    def _best(self, acceptance: float, cost) -> int:
         def rate(k: int) -> float:
-            gain = sum(acceptance**j for j in range(k + 1))
-            return gain / (max(1.0, batch * (k + 1) / self.saturation) * (1 + self.OVERHEAD * k))
+            return sum(acceptance**j for j in range(k + 1)) / cost(k)
 
         return max(range(self.max_k + 1), key=lambda k: (rate(k), -k))

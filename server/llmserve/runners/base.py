@@ -127,6 +127,8 @@ class ModelRunner(abc.ABC):
     # Tokens a step takes before it stops being bound by reading the weights (speculative decoding's
     # draft-length rule, engine/speculative.py): about peak FLOP/s / memory bandwidth x bytes per weight / 2.
     saturation_tokens: int = 16
+    # Most rows of logits one step may sample (speculation caps k by it); 0: no limit.
+    max_sampled_rows: int = 0
 
     @abc.abstractmethod
     def execute(self, batch: StepBatch) -> StepResult: ...

@@ -154,6 +154,10 @@ class DecodeGraphs:
         ids[T:Tb], pos[T:Tb], slots[T:Tb], lens[B:bs] = 0, 0, -1, 0
         w = a["bt"].shape[1]
         bt[:B, :w] = a["bt"]
+        # The rest are valid block ids (0), never stale bytes of the staging buffer: a verification
+        # step's pad queries read keys past their sequence's last block (masked, but read).
+        bt[:B, w:] = 0
+        bt[B:bs] = 0
         # one copy: everything up to the end of the block-table rows in use
         end = int(self.offsets[4]) + bs * self.max_blocks
         self.static[:end].copy_(staging[:end], non_blocking=True)

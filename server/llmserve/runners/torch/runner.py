@@ -94,6 +94,10 @@ class TorchRunner(ModelRunner):
         self.sampler = DeviceSampler(self.vocab_size, self.device, config.seed)
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count if cuda else 1
         self.max_batch = config.batch_size
+        # Logits rows a step may sample on the GPU (the KV sizing leaves scratch for them): a full decode
+        # batch, and with speculation at least 512 (verification samples k + 1 rows a request).
+        spec = config.speculate_method != "none"
+        self.max_sampled_rows = max(min(self.max_batch, 512), 512 if spec else 0) if cuda else 0
         self.num_kv_blocks = self._size_kv_cache()
         L, KVH, D = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
         self.kv_cache = torch.zeros(
@@ -126,8 +130,9 @@ class TorchRunner(ModelRunner):
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
         self._warmup_prefill(self.config.max_num_batched_tokens)
-        rows = min(self.max_batch, 512)
-        scratch = torch.empty(rows * self.vocab_size * 4 * 6, dtype=torch.uint8, device=self.device)  # sampler/graphs
+        scratch = torch.empty(
+            self.max_sampled_rows * self.vocab_size * 4 * 6, dtype=torch.uint8, device=self.device
+        )  # sampler/graphs
         del scratch
         peak = torch.cuda.max_memory_allocated(self.device) - base
         torch.cuda.empty_cache()
@@ -170,8 +175,9 @@ class TorchRunner(ModelRunner):
             block_t,
         )
         ids = torch.randint(0, self.vocab_size, (num_tokens,), **i32)
-        pos = torch.arange(num_tokens, **i32)
-        hidden = self.model.forward(ids, pos, pos, meta, kv)
+        slots = torch.arange(num_tokens, **i32)
+        # Rotary positions stay inside the model's table when the step budget exceeds MAX_SEQ_LEN.
+        hidden = self.model.forward(ids, slots % self.max_model_len, slots, meta, kv)
         self.model.logits(hidden[-1:])
         del kv, hidden
 
