@@ -114,26 +114,16 @@ def workload(seed: int, vocab: int, n: int = 16, temperature: float = 0.0) -> li
 
 
 def run(engine: LLMEngine, reqs, arrive_every: int = 2) -> dict[str, tuple[list[int], str]]:
-    """Requests join a few steps apart; req_id -> (tokens, finish reason). Checks every block is free."""
-    got: dict[str, list[int]] = {}
-    reasons: dict[str, str] = {}
-    queue, steps = list(reqs), 0
-    while queue or engine.has_unfinished():
-        if queue and steps % arrive_every == 0:
-            rid, ids, p = queue.pop(0)
-            engine.add_request(rid, ids, dataclasses.replace(p))
-        for out in engine.step():
-            got.setdefault(out.req_id, []).extend(out.new_token_ids)
-            if out.finished:
-                reasons[out.req_id] = out.finish_reason
-        steps += 1
-        assert steps < 5000
-    assert engine.block_manager.num_used == 0 and not engine.requests
+    """tests/test_speculative.run (every target block free at the end), then the draft's blocks too;
+    req_id -> (tokens, finish reason)."""
+    from tests.test_speculative import run as run_engine
+
+    got = run_engine(engine, reqs, arrive_every)
     if engine.proposer is not None:
         engine.step()  # the engine hands the requests that left to the proposer with its next step
         assert engine.proposer.block_manager.num_used == 0, "draft blocks left in use"
         assert not engine.proposer._shadows
-    return {r: (got.get(r, []), reasons[r]) for r in reasons}
+    return {r: (tokens, reason) for r, (tokens, _text, reason) in got.items()}
 
 
 # ---------------------------------------------------------------- through the engine

@@ -179,10 +179,10 @@ class Config:
         "SPECULATE_MAX_NGRAM_SIZE", 3, int, doc="ngram: longest suffix looked up in the request's own tokens (1..8)"
     )
     speculate_model_path: str = _setting(
-        "SPECULATE_MODEL_PATH", "", _str, doc="draft / mtp: the speculative model's directory"
+        "SPECULATE_MODEL_PATH", "", _str, doc="draft: the draft model's directory (HF safetensors)"
     )
     speculate_adaptive: bool = _setting(
-        "SPECULATE_ADAPTIVE", True, _bool, doc="choose k per step from measured acceptance and batch size (0: always k)"
+        "SPECULATE_ADAPTIVE", True, _bool, doc="choose k per step from measured acceptance and step times (0: always k)"
     )
     kv_cache_memory_fraction: float = _setting(
         "KV_CACHE_MEMORY_FRACTION",

@@ -191,8 +191,8 @@ class LLMEngine:
             outputs += self._take_in(*done)
         elapsed = time.perf_counter() - t0
         self._step_time += elapsed
-        if self.proposer is not None and launched is not None:
-            self.draft_length.observe(batch, k, elapsed)
+        if self.proposer is not None and sched.chunks and all(c.num_tokens == c.num_sampled_rows for c in sched.chunks):
+            self.draft_length.observe(batch, k, elapsed)  # decoding steps only: a prompt chunk would skew it
         return outputs
 
     def _draft_length(self, batch: int) -> int:

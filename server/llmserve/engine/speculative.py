@@ -147,9 +147,9 @@ class DraftLength:
     - measured, once both are: the decayed mean wall time of steps with k drafts over that of plain
       steps, for loads of the same size (a power-of-two bucket of the batch). This sees everything
       a verification step costs: the proposer's work, the host work that overlapped plain steps
-      hide, the kernels' shapes. The first and every EXPLORE-th step of a bucket try the other
-      choice (a plain step while speculating, the model's k while not), so the measurements follow
-      the load;
+      hide, the kernels' shapes. A bucket starts with plain steps until one is measured, and
+      every EXPLORE-th choice tries the other option (a plain step while speculating, the model's k
+      while not), so the measurements follow the load. Only decoding steps are measured;
     - until then, modelled: a step over t tokens costs max(1, t / S) (S: the runner's
       `saturation_tokens`, where a step stops being bound by reading the weights), plus OVERHEAD
       per draft; so at a small batch verification is nearly free, and at B >= S the rule gives 0.
@@ -192,8 +192,10 @@ class DraftLength:
             return self._model_cost(batch, k) / self._model_cost(batch, 0)
 
         best = self._best(acceptance, cost)
+        if best and plain is None:
+            return 0  # a plain step first, to measure what speculation must beat
         n = self._steps[b] = self._steps.get(b, 0) + 1
-        if n % self.EXPLORE == 1:  # measure the road not taken (at once: short runs need it too)
+        if n % self.EXPLORE == 0:  # measure the road not taken
             return 0 if best else self.modelled(batch, acceptance)
         return best
 
