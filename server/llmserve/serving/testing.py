@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import socket
 import subprocess
 import time
@@ -21,15 +22,27 @@ ROOT = Path(__file__).resolve().parents[3]
 PORT_VARS = ("HEALTH_HTTP_PORT", "SERVICE_GRPC_PORT", "METRICS_HTTP_PORT", "INTER_PROC_PORT", "TRITON_METRICS_PORT")
 
 
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
+def _ephemeral_low() -> int:
+    """The first port the kernel hands out as the local end of outgoing connections."""
     try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(n: int) -> list[int]:
+    """n distinct free loopback ports, below the ephemeral range: a port from that range (what
+    bind(0) gives) can become the local end of one of the stack's own outgoing connections (a ZMQ
+    client of the engine server, say) before the server meant to listen on it binds; Triton then
+    failed to start with "address already in use"."""
+    rng = random.SystemRandom()
+    hi = min(_ephemeral_low(), 32768)
+    out: list[int] = []
+    while len(out) < n:
+        port = rng.randrange(20000, hi)
+        if port not in out and port_is_free(port):
+            out.append(port)
+    return out
 
 
 def port_is_free(port: int) -> bool:
