@@ -169,12 +169,13 @@ class LLMEngine:
         steps overlap as without speculation."""
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
-        batch = len(self.scheduler.running) + len(self.scheduler.waiting)
-        k = self._draft_length(batch) if self.proposer is not None else 0
+        spec = self.proposer is not None
+        batch = len(self.scheduler.running) + len(self.scheduler.waiting) if spec else 0
+        k = self._draft_length(batch) if spec else 0
         if k and self._inflight is not None:
             outputs += self._take_in(*self._inflight)
             self._inflight = None
-        if self.proposer is not None:
+        if spec:
             self._propose(k)
         sched = self.scheduler.schedule()
         self._preemptions += len(sched.preempted)
@@ -191,7 +192,7 @@ class LLMEngine:
             outputs += self._take_in(*done)
         elapsed = time.perf_counter() - t0
         self._step_time += elapsed
-        if self.proposer is not None and sched.chunks and all(c.num_tokens == c.num_sampled_rows for c in sched.chunks):
+        if spec and sched.chunks and all(c.num_tokens == c.num_sampled_rows for c in sched.chunks):
             self.draft_length.observe(batch, k, elapsed)  # decoding steps only: a prompt chunk would skew it
         return outputs
 

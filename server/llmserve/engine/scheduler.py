@@ -20,8 +20,9 @@ Speculative decoding: a decoding request with proposed tokens (`Request.draft_to
 them in its chunk, within the token budget and its length limits, with KV slots reserved for them.
 After the step, `rollback` moves `num_computed_tokens` back to the accepted tokens and frees the
 blocks that held only rejected ones; rejected slots in a kept block are overwritten later, and the
-prefix cache (committed after the rollback) never hashes a rejected token. Speculation runs with
-serial steps: the next step's proposals need this step's accepted tokens.
+prefix cache (committed after the rollback) never hashes a rejected token. A verification step is
+serial (the engine takes the step in flight in first): its proposals follow the tokens that step
+accepted.
 
 A request that asks for prompt logprobs skips the prefix cache until they are handed out (with its
 first token), and its chunks over prompt positions ask the runner for them.
