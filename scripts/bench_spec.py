@@ -174,37 +174,45 @@ def bench_trained(out: str, models: str, max_tokens: int, corpus: str = "") -> N
     from llmserve.engine.tokenizer import load_tokenizer
 
     target, draft = Path(models) / "target", Path(models) / "draft"
-    base = Config(batch_size=64, max_seq_len=1024, block_size=16, max_num_batched_tokens=4096)
+    # Fixed KV caches (64 sequences each): the MTP method has a runner of its own (its cache holds one
+    # more layer, and its steps run the module), so plain decoding and the others never pay for it.
+    base = Config(batch_size=64, max_seq_len=1024, block_size=16, max_num_batched_tokens=4096, block_bs=64)
     base = dataclasses.replace(base, speculate_method="ngram", speculate_max_draft_tokens=5)
     runner = TorchRunner(str(target), base)
     prompts = heldout_prompts(load_tokenizer(str(target)), 64, 256, corpus)
     methods = {"ngram": dict(speculate_method="ngram")}
+    runners = {"ngram": runner}
     if draft.is_dir():
         methods["draft"] = dict(speculate_method="draft", speculate_model_path=str(draft))
+        runners["draft"] = runner
+    if json.loads((target / "config.json").read_text()).get("num_nextn_predict_layers"):
+        methods["mtp"] = dict(speculate_method="mtp")
+        runners["mtp"] = TorchRunner(str(target), dataclasses.replace(base, speculate_method="mtp"))
     R["trained_acceptance"] = acc = {}
     R["trained_decode"] = dec = []
     plain_cfg = dataclasses.replace(base, speculate_method="none")
-    decode_run(LLMEngine(plain_cfg, runner), prompts[:4], 16)  # warm-up
+    for r in set(runners.values()):
+        decode_run(LLMEngine(plain_cfg, r), prompts[:4], 16)  # warm-up
     proposers = {}
     for name, kw in methods.items():
         acc[name] = {}
         try:  # one proposer (and draft model) per method, shared by its engines
-            proposers[name] = engine_for(runner, dataclasses.replace(base, **kw), 5, False, None).proposer
+            proposers[name] = engine_for(runners[name], dataclasses.replace(base, **kw), 5, False, None).proposer
         except Exception as e:  # a method this build cannot run: say so in the table
             acc[name] = {"error": f"{type(e).__name__}: {e}"}
             continue
         for k in range(1, 6):
-            engine = engine_for(runner, base, k, False, proposers[name])
+            engine = engine_for(runners[name], base, k, False, proposers[name])
             r = decode_run(engine, prompts[:32], max_tokens)
             acc[name][f"k{k}"] = dict(acceptance=r["acceptance"], mean_accepted_len=r["mean_accepted_len"])
         print(name, json.dumps(acc[name]), flush=True)
         save(out)
-    acc["mtp"] = {"error": "SPECULATE_METHOD=mtp is not built yet"}
     for c in (1, 8, 64):
         row = {"concurrency": c, "none": decode_run(LLMEngine(plain_cfg, runner), prompts[:c], max_tokens)}
         for name in methods:
             if name in proposers:
-                row[name] = decode_run(engine_for(runner, base, 5, True, proposers[name]), prompts[:c], max_tokens)
+                engine = engine_for(runners[name], base, 5, True, proposers[name])
+                row[name] = decode_run(engine, prompts[:c], max_tokens)
         for v in row.values():
             if isinstance(v, dict):
                 v.pop("tokens", None)

@@ -295,3 +295,100 @@ def test_held_out_checks_keep_the_best_weights_and_stop_early(trained, tmp_path)
         assert m["kept_step"] == best_step
     # 8 files (~20k tokens) overfit well within 240 steps: three checks in a row no better than the best
     assert m["stopped_by"] == "early" and m["steps"] < 240 and all(ppl >= best_ppl for _, ppl in checks[-3:])
+
+
+@pytest.fixture(scope="module")
+def attached(trained, tmp_path_factory):
+    """A tiny trunk trained without MTP, then an MTP module trained alone on it (--init-from, frozen),
+    with the optimizer's parameters recorded; and the same module at initialisation (0 steps)."""
+    tok, cache, _ = trained
+    root = tmp_path_factory.mktemp("attach")
+    _train(root / "trunk", cache, "--tokenizer", str(tok))
+    seen = []
+
+    class Recording(torch.optim.AdamW):
+        def __init__(self, groups, **kw):
+            seen.extend((p, g["weight_decay"]) for g in groups for p in g["params"])
+            super().__init__(groups, **kw)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch.optim, "AdamW", Recording)
+        metrics = _train(root / "mtp", cache, "--init-from", str(root / "trunk"), "--mtp")
+    init = _train(root / "init", cache, "--init-from", str(root / "trunk"), "--mtp", "--max-steps", "0")
+    return root, cache, metrics, init, seen
+
+
+def test_init_from_trains_an_mtp_module_on_a_frozen_trunk(attached):
+    root, _, metrics, init, seen = attached
+    src, out = root / "trunk", root / "mtp"
+    before, after = load_file(src / "model.safetensors"), load_file(out / "model.safetensors")
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # the trunk, bit for bit
+    cfg = json.loads((src / "config.json").read_text())
+    assert json.loads((out / "config.json").read_text()) == {**cfg, "num_nextn_predict_layers": 1}
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        assert (out / name).read_bytes() == (src / name).read_bytes(), name
+
+    H, F, V, L, hd = 64, 128, cfg["vocab_size"], cfg["num_hidden_layers"], 16
+    shapes = {"enorm": [H], "hnorm": [H], "eh_proj": [H, 2 * H], "shared_head.norm": [H]}
+    shapes |= {"input_layernorm": [H], "post_attention_layernorm": [H], "embed_tokens": [V, H]}
+    shapes |= {"self_attn.q_proj": [4 * hd, H], "self_attn.k_proj": [2 * hd, H], "self_attn.v_proj": [2 * hd, H]}
+    shapes |= {"self_attn.o_proj": [H, 4 * hd], "mlp.gate_proj": [F, H], "mlp.up_proj": [F, H]}
+    shapes |= {"mlp.down_proj": [H, F], "shared_head.head": [V, H]}
+    mtp = {k: list(v.shape) for k, v in after.items() if k not in before}
+    assert mtp == {f"model.layers.{L}.{n}.weight": s for n, s in shapes.items()}
+    torch.testing.assert_close(after[f"model.layers.{L}.embed_tokens.weight"], before["model.embed_tokens.weight"])
+
+    # only the MTP module's parameters reached the optimizer (none of the trunk's: no state, no decay)
+    assert sum(p.numel() for p, _ in seen) == metrics["mtp_params"] == PRESETS["tiny"].mtp_params()
+    assert all(p.requires_grad for p, _ in seen) and {wd for p, wd in seen if p.dim() < 2} == {0.0}
+
+    # it learnt: held-out loss of the token after next well below the untrained module's
+    assert init["mtp"]["steps"] == 0 and metrics["mtp"]["steps"] == 30 and metrics["mtp"]["frozen_trunk"]
+    assert metrics["mtp_heldout_ppl"] < 0.7 * init["mtp_heldout_ppl"]
+    assert metrics["mtp_top1"] > init["mtp_top1"] and metrics["mtp_top1"] == metrics["mtp"]["mtp_top1"]
+    # the trunk's metrics are the source's, and measured again they come out the same
+    trunk = json.loads((src / "train_metrics.json").read_text())
+    assert {k: metrics[k] for k in trunk if k not in ("mtp", "mtp_params")} == {
+        k: v for k, v in trunk.items() if k not in ("mtp", "mtp_params")
+    }
+    assert metrics["mtp"]["trunk_heldout_ppl"] == pytest.approx(trunk["heldout_ppl"], rel=1e-9)
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[:3] == [json.loads(line) for line in (src / "train_log.jsonl").read_text().splitlines()]
+    assert [(r["step"], r.get("phase")) for r in log[3:]] == [(10, "mtp"), (20, "mtp"), (30, "mtp")]
+    assert log[-1]["mtp_loss"] < log[3]["mtp_loss"], log
+
+
+def test_init_from_again_gives_the_same_bytes(attached, tmp_path):
+    """From the attached checkpoint itself: its MTP module is replaced by a new one, trained with the same
+    seed on the same frozen trunk: the same file, and the log holds the MTP run once."""
+    root, cache, _, _, _ = attached
+    _train(tmp_path / "again", cache, "--init-from", str(root / "mtp"), "--mtp")
+    for name in ("model.safetensors", "config.json", "tokenizer_config.json"):
+        assert (tmp_path / "again" / name).read_bytes() == (root / "mtp" / name).read_bytes(), name
+
+    def phases(d):
+        return [(r["step"], r.get("phase")) for r in map(json.loads, (d / "train_log.jsonl").read_text().splitlines())]
+
+    want = [(10, None), (20, None), (30, None), (10, "mtp"), (20, "mtp"), (30, "mtp")]
+    assert phases(tmp_path / "again") == phases(root / "mtp") == want
+
+
+def test_init_from_refusals(attached, tmp_path, capsys):
+    root, cache, _, _, _ = attached
+    trunk = str(root / "trunk")
+    cases = [
+        ((trunk,), "--mtp"),  # no --mtp
+        ((trunk, "--mtp", "--preset", "demo"), "hidden_size 64 (preset: 128)"),  # another shape
+        ((trunk, "--mtp", "--tokenizer", trunk), "--tokenizer"),
+        ((str(tmp_path / "none"), "--mtp"), "config.json"),
+    ]
+    for args, words in cases:
+        capsys.readouterr()
+        out = tmp_path / "out"
+        argv = ["train", "--preset", "tiny", "--out", str(out), "--cache-dir", str(cache), "--init-from", *args]
+        assert main(argv) == 2, args
+        err = capsys.readouterr().err
+        assert "--init-from" in err and words in err, err
+        assert not out.exists()  # refused before anything was written
+    assert main(["train", "--preset", "tiny", "--out", trunk, "--init-from", trunk, "--mtp"]) == 2
+    assert "--out" in capsys.readouterr().err

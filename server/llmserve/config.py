@@ -179,7 +179,10 @@ class Config:
         "SPECULATE_MAX_NGRAM_SIZE", 3, int, doc="ngram: longest suffix looked up in the request's own tokens (1..8)"
     )
     speculate_model_path: str = _setting(
-        "SPECULATE_MODEL_PATH", "", _str, doc="draft: the draft model's directory (HF safetensors)"
+        "SPECULATE_MODEL_PATH",
+        "",
+        _str,
+        doc="draft: the draft model's directory; mtp: where the MTP weights are, when not in MODEL_DIR (HF safetensors)",
     )
     speculate_adaptive: bool = _setting(
         "SPECULATE_ADAPTIVE", True, _bool, doc="choose k per step from measured acceptance and step times (0: always k)"
@@ -298,18 +301,13 @@ class Config:
             errors.append(f"SPECULATE_MAX_DRAFT_TOKEN_NUM={self.speculate_max_draft_tokens}: must be in 1..8")
         if not 1 <= self.speculate_max_ngram_size <= 8:
             errors.append(f"SPECULATE_MAX_NGRAM_SIZE={self.speculate_max_ngram_size}: must be in 1..8")
-        if self.speculate_method == "mtp":
-            errors.append(
-                f"SPECULATE_METHOD={self.speculate_method}: not supported yet (use ngram or draft); "
-                "MTP proposals are not built"
-            )
-        elif self.speculate_method == "draft":
+        if self.speculate_method == "draft":
             if not self.speculate_model_path:
                 errors.append(
                     "SPECULATE_METHOD=draft needs SPECULATE_MODEL_PATH: the draft model's directory "
                     "(an HF safetensors checkpoint with the target's tokenizer)"
                 )
-        elif self.speculate_model_path:
+        elif self.speculate_model_path and self.speculate_method != "mtp":
             errors.append(
                 f"SPECULATE_MODEL_PATH={self.speculate_model_path!r}: SPECULATE_METHOD={self.speculate_method} "
                 "uses no speculative model (unset it, or choose draft or mtp)"

@@ -178,6 +178,8 @@ class LLMEngine:
         if spec:
             self._propose(k)
         sched = self.scheduler.schedule()
+        if k:
+            self.proposer.fill(sched.chunks)
         self._preemptions += len(sched.preempted)
         launched = None
         if sched.chunks:

@@ -13,6 +13,10 @@ Proposers:
   step with its own paged KV cache; it also hands over its proposal distribution q
   (`Request.draft_probs`), which sampled requests are verified against by rejection sampling.
   Torch runner only (runners/torch/draft.py).
+- `mtp`: the checkpoint's multi-token-prediction module, fed by the target's last hidden states and
+  chained for k > 1; it drafts into the KV slots the scheduler reserved, so it proposes placeholders
+  before scheduling and the real tokens after (`Proposer.fill`). Torch runner only
+  (runners/torch/mtp.py).
 """
 
 from __future__ import annotations
@@ -23,13 +27,17 @@ import numpy as np
 
 from llmserve.config import Config, ConfigError
 from llmserve.engine.request import Request
-from llmserve.runners.base import ModelRunner
+from llmserve.runners.base import ModelRunner, SeqChunk
 
 
 class Proposer(abc.ABC):
     @abc.abstractmethod
     def propose(self, reqs: list[Request], k: int) -> None:
         """Set each request's `draft_token_ids` (at most k tokens; empty: nothing to propose)."""
+
+    def fill(self, chunks: list[SeqChunk]) -> None:  # noqa: B027 - optional hook
+        """After scheduling: a proposer that drafts into the KV slots the scheduler reserved (mtp)
+        proposed placeholders and writes the chunks' real `draft_token_ids` here."""
 
     def drop(self, req_ids: list[str]) -> None:  # noqa: B027 - optional hook
         """Forget per-request state of requests that left."""
@@ -87,20 +95,25 @@ def build_proposer(config: Config, runner: ModelRunner) -> Proposer | None:
     Raises ConfigError, naming the setting, for a combination that cannot run."""
     if config.speculate_method == "ngram":
         return NgramProposer(config.speculate_max_ngram_size)
-    if config.speculate_method == "draft":
+    if config.speculate_method in ("draft", "mtp"):
         try:
-            from llmserve.runners.torch.draft import DraftModelProposer
             from llmserve.runners.torch.runner import TorchRunner
         except ImportError:  # no torch: then the runner is not a TorchRunner either
             TorchRunner = None  # noqa: N806
         if TorchRunner is None or not isinstance(runner, TorchRunner):
             raise ConfigError(
-                f"SPECULATE_METHOD=draft runs on the torch runner only, and this model is served by "
-                f"{type(runner).__name__} (a Paddle static-graph MODEL_DIR or LLMSERVE_RUNNER=paddle): use "
-                "SPECULATE_METHOD=ngram, or serve an HF safetensors model with LLMSERVE_RUNNER=torch"
+                f"SPECULATE_METHOD={config.speculate_method} runs on the torch runner only, and this model is "
+                f"served by {type(runner).__name__} (a Paddle static-graph MODEL_DIR or LLMSERVE_RUNNER=paddle): "
+                "use SPECULATE_METHOD=ngram, or serve an HF safetensors model with LLMSERVE_RUNNER=torch"
             )
+        if config.speculate_method == "mtp":
+            from llmserve.runners.torch.mtp import MTPProposer
+
+            return MTPProposer(runner)
+        from llmserve.runners.torch.draft import DraftModelProposer
+
         return DraftModelProposer(config, runner)
-    return None  # "none" (mtp is refused by Config.validate)
+    return None  # "none"
 
 
 class SpecStats:

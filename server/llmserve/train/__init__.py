@@ -6,5 +6,7 @@ presets    model shapes and training settings: tiny (tests), demo, draft, target
 mtp        DeepSeek-V3's multi-token prediction module over a Llama trunk
 checkpoint the Hugging Face directory (config.json, model.safetensors, generation_config.json)
 trainer    the loop: seeded windows, AdamW + cosine, progress bar, loss log, held-out perplexity
+evaluate   the forward pass and the held-out evaluation (trunk and MTP)
+attach     `--init-from DIR --mtp`: an MTP module trained onto a trained, frozen trunk
 cli        `llmserve train`
 """

@@ -3,6 +3,7 @@
 llmserve train --preset demo --out models/demo                      # CPU, ~8 min on 2 cores, reproducible
 llmserve train --tokenizer-only --out models/tokenizer              # the shared tokenizer alone
 llmserve train --preset target --mtp --tokenizer models/tokenizer --out models/target
+llmserve train --preset demo --init-from models/demo --mtp --out models/demo-mtp   # MTP on a frozen trunk
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def _train(args: argparse.Namespace) -> int:
             threads=args.threads,
             log_every=args.log_every,
             tokenizer_only=args.tokenizer_only,
+            init_from=Path(args.init_from) if args.init_from else None,
         )
     )
     return 0
@@ -51,6 +53,11 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     t.add_argument("--tokenizer", metavar="DIR", help="reuse this tokenizer (one for all models)")
     t.add_argument("--tokenizer-only", action="store_true", help="train the tokenizer into --out and stop")
     t.add_argument("--mtp", action="store_true", help="also train a DeepSeek-V3-style MTP module")
+    t.add_argument(
+        "--init-from",
+        metavar="DIR",
+        help="with --mtp: train only an MTP module on DIR's trained model, its trunk frozen and copied bit for bit",
+    )
     t.add_argument("--max-files", type=int, default=None, help="only the first N corpus files (tests)")
     t.add_argument("--corpus", metavar="DIR", help="a Python stdlib tree to train on (default: this interpreter's)")
     t.add_argument("--eval-every", type=int, default=None, metavar="N", help="held-out check every N steps")

@@ -55,15 +55,17 @@ class MTPLayer(LlamaDecoderLayer):
         return self.shared_head.norm(out[0] if isinstance(out, tuple) else out)
 
 
-def checkpoint_tensors(mtp: MTPLayer, trunk: LlamaForCausalLM) -> dict[str, torch.Tensor]:
+def checkpoint_tensors(mtp: MTPLayer, trunk: LlamaForCausalLM, copies: bool = True) -> dict[str, torch.Tensor]:
     """The MTP weights under DeepSeek-V3's names: `model.layers.{L}.` + the module's state dict
     (enorm, hnorm, eh_proj, self_attn.*, mlp.*, input/post_attention_layernorm, shared_head.norm),
-    plus copies of the shared embedding and LM head (`embed_tokens`, `shared_head.head`), which
-    DeepSeek-V3's checkpoint also stores in the MTP layer and vLLM's loader reads from there."""
+    plus (`copies`) copies of the shared embedding and LM head (`embed_tokens`, `shared_head.head`),
+    which DeepSeek-V3's checkpoint also stores in the MTP layer and vLLM's loader reads from there
+    (the torch runner and `load_mtp` use the trunk's own: without them the file is smaller)."""
     p = f"model.layers.{trunk.config.num_hidden_layers}."
     out = {p + k: v for k, v in mtp.state_dict().items()}
-    out[p + "embed_tokens.weight"] = trunk.model.embed_tokens.weight
-    out[p + "shared_head.head.weight"] = trunk.lm_head.weight
+    if copies:
+        out[p + "embed_tokens.weight"] = trunk.model.embed_tokens.weight
+        out[p + "shared_head.head.weight"] = trunk.lm_head.weight
     return out
 
 

@@ -9,6 +9,8 @@ thread count, so the same seed, thread count and machine give byte-identical wei
 Output directory: the HF checkpoint (checkpoint.py), the tokenizer, `train_log.jsonl` (the
 mean loss every `log_every` steps) and `train_metrics.json` (held-out perplexity on fixed,
 evenly spaced held-out windows, parameter count, steps, seconds, device, seed, versions).
+
+With `init_from` (and `mtp`), only an MTP module trains, on a trained model's frozen trunk (attach.py).
 """
 
 from __future__ import annotations
@@ -28,8 +30,10 @@ import torch.nn.functional as F
 from tokenizers import Tokenizer
 from transformers import LlamaForCausalLM
 
+from llmserve.train import attach
 from llmserve.train.checkpoint import llama_config, save_checkpoint
 from llmserve.train.corpus import load_corpus, token_streams
+from llmserve.train.evaluate import evaluate, forward
 from llmserve.train.mtp import MTPLayer
 from llmserve.train.presets import PRESETS, Preset
 from llmserve.train.tokenizer import build_tokenizer, copy_tokenizer, save_tokenizer, special_ids
@@ -55,6 +59,7 @@ class TrainOptions:
     threads: int | None = None  # CPU threads; default DEFAULT_CPU_THREADS
     log_every: int = 10
     tokenizer_only: bool = False
+    init_from: Path | None = None  # a trained model: train only an MTP module on its frozen trunk (attach.py)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -101,7 +106,10 @@ def _progress(total: int | None):
 
 def _prepare_tokenizer(opts: TrainOptions, preset: Preset) -> Tokenizer:
     out = Path(opts.out)
-    if opts.tokenizer is not None:
+    if opts.init_from is not None:  # its own tokenizer, as it is (model_max_length included)
+        src = Path(opts.init_from)
+        copy_tokenizer(src, out, json.loads((src / "config.json").read_text())["max_position_embeddings"])
+    elif opts.tokenizer is not None:
         copy_tokenizer(Path(opts.tokenizer), out, preset.max_position_embeddings)
     else:
         corpus = load_corpus(opts.corpus, max_files=opts.max_files)
@@ -111,61 +119,9 @@ def _prepare_tokenizer(opts: TrainOptions, preset: Preset) -> Tokenizer:
     return Tokenizer.from_file(str(out / "tokenizer.json"))
 
 
-def _forward(model: LlamaForCausalLM, mtp: MTPLayer | None, x: torch.Tensor, autocast: bool):
-    """(trunk logits [B, S, V] float32, MTP logits [B, S-1, V] float32 or None)."""
-    with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):
-        h = model.model(input_ids=x, use_cache=False).last_hidden_state
-        logits = model.lm_head(h).float()
-        mtp_logits = model.lm_head(mtp.hidden(model, h, x)).float() if mtp is not None else None
-    return logits, mtp_logits
-
-
-@torch.no_grad()
-def evaluate(model, mtp, heldout: np.ndarray, seq_len: int, max_windows: int, batch: int, autocast: bool) -> dict:
-    """Held-out perplexity over evenly spaced, non-overlapping windows of seq_len + 1 tokens."""
-    n = (len(heldout) - 1) // seq_len
-    if n == 0:
-        raise ValueError(f"held-out split has {len(heldout)} tokens, fewer than one window of {seq_len + 1}")
-    k = min(max_windows, n)
-    starts = np.arange(k) * n // k * seq_len
-    device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
-    sums = dict(nll=0.0, hits=0, count=0, mtp_nll=0.0, mtp_hits=0, mtp_agree=0, mtp_count=0)
-    for i in range(0, k, batch):
-        w = np.stack([heldout[s : s + seq_len + 1] for s in starts[i : i + batch]]).astype(np.int64)
-        w = torch.from_numpy(w).to(device)
-        x, y = w[:, :-1], w[:, 1:]
-        logits, mtp_logits = _forward(model, mtp, x, autocast)
-        sums["nll"] += F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="sum").item()
-        pred = logits.argmax(-1)
-        sums["hits"] += (pred == y).sum().item()
-        sums["count"] += y.numel()
-        if mtp_logits is not None:
-            sums["mtp_nll"] += F.cross_entropy(mtp_logits.flatten(0, 1), y[:, 1:].flatten(), reduction="sum").item()
-            mtp_pred = mtp_logits.argmax(-1)
-            sums["mtp_hits"] += (mtp_pred == y[:, 1:]).sum().item()
-            # what greedy speculation accepts, roughly: the MTP's guess for t+2 equals the trunk's own
-            sums["mtp_agree"] += (mtp_pred == pred[:, 1:]).sum().item()
-            sums["mtp_count"] += y[:, 1:].numel()
-    model.train(was_training)
-    res = {
-        "heldout_ppl": math.exp(sums["nll"] / sums["count"]),
-        "heldout_top1": sums["hits"] / sums["count"],
-        "heldout_tokens": sums["count"],
-        "heldout_windows": k,
-    }
-    if sums["mtp_count"]:
-        res.update(
-            mtp_heldout_ppl=math.exp(sums["mtp_nll"] / sums["mtp_count"]),
-            mtp_top1=sums["mtp_hits"] / sums["mtp_count"],
-            mtp_agrees_with_trunk=sums["mtp_agree"] / sums["mtp_count"],
-        )
-    return res
-
-
 def train(opts: TrainOptions) -> dict:
     preset = PRESETS[opts.preset]
+    attach.check_options(opts, preset)
     device = resolve_device(opts.device)
     threads = opts.threads or DEFAULT_CPU_THREADS
     out = Path(opts.out)
@@ -189,11 +145,21 @@ def train(opts: TrainOptions) -> dict:
 def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> dict:
     out = Path(opts.out)
     bos, eos = special_ids(tok)
-    config = llama_config(preset, tok.get_vocab_size(), bos, eos, opts.mtp)
+    frozen = opts.init_from is not None  # only the MTP module trains
+    src = Path(opts.init_from) if frozen else None
+    if frozen:
+        config = attach.source_config(src, tok.get_vocab_size())
+    else:
+        config = llama_config(preset, tok.get_vocab_size(), bos, eos, opts.mtp)
     torch.manual_seed(opts.seed)
-    model = LlamaForCausalLM(config).to(device)
+    model = LlamaForCausalLM(config)
+    if frozen:
+        trunk = attach.trunk_tensors(src, config.num_hidden_layers)
+        attach.load_frozen_trunk(model, trunk)
+    model.to(device)
     mtp = MTPLayer(config).to(device) if opts.mtp else None
-    params = list(model.parameters()) + (list(mtp.parameters()) if mtp is not None else [])
+    params = [] if frozen else list(model.parameters())
+    params += list(mtp.parameters()) if mtp is not None else []
     groups = [
         {"params": [p for p in params if p.dim() >= 2], "weight_decay": preset.weight_decay},
         {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
@@ -209,6 +175,8 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
     offsets = torch.arange(S + 1)
 
     max_steps = opts.max_steps if opts.max_steps is not None else preset.max_steps
+    if frozen and opts.max_steps is None and preset.mtp_steps is not None:
+        max_steps = preset.mtp_steps
     max_seconds = opts.max_seconds if opts.max_seconds is not None else preset.max_seconds
     if max_steps is None and max_seconds is None:
         raise ValueError(f"preset {preset.name}: give --max-steps or --max-seconds")
@@ -218,6 +186,7 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
 
     log_path = out / "train_log.jsonl"
     log = log_path.open("w")
+    log.writelines(attach.source_log_lines(src) if frozen else [])
     bar = _progress(total)
     acc = torch.zeros(2, device=device)  # loss sums since the last log line: no sync per step
     n_acc, step, last, stopped_by = 0, 0, {}, "steps"
@@ -225,8 +194,10 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
     # so the held-out loss is checked along the way and the best weights are the ones kept.
     best = {"ppl": math.inf, "step": 0, "state": None, "misses": 0}
     checks: list[list] = []  # [step, held-out perplexity on check_windows]
+    checked = "mtp_heldout_ppl" if frozen else "heldout_ppl"  # a frozen trunk's does not move
+    trained = None if frozen else model  # what the checks snapshot and restore, besides the MTP
     check_windows = max(8, preset.eval_windows // 4)
-    model.train()
+    model.train(not frozen)
     t0 = time.perf_counter()
     while total is None or step < total:
         elapsed = time.perf_counter() - t0
@@ -239,14 +210,18 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
         starts = torch.randint(0, len(data) - S, (B,), generator=gen)
         w = data[(starts[:, None] + offsets).to(device)]
         x, y = w[:, :-1], w[:, 1:]
-        logits, mtp_logits = _forward(model, mtp, x, cuda)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        total_loss = loss
-        if mtp_logits is not None:
-            mtp_loss = F.cross_entropy(mtp_logits.flatten(0, 1), y[:, 1:].flatten())
-            total_loss = loss + preset.mtp_loss_weight * mtp_loss
-            acc[1] += mtp_loss.detach()
-        acc[0] += loss.detach()
+        logits, mtp_logits = forward(model, mtp, x, cuda, frozen)
+        if frozen:  # the MTP loss alone
+            total_loss = F.cross_entropy(mtp_logits.flatten(0, 1), y[:, 1:].flatten())
+            acc[1] += total_loss.detach()
+        else:
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+            total_loss = loss
+            if mtp_logits is not None:
+                mtp_loss = F.cross_entropy(mtp_logits.flatten(0, 1), y[:, 1:].flatten())
+                total_loss = loss + preset.mtp_loss_weight * mtp_loss
+                acc[1] += mtp_loss.detach()
+            acc[0] += loss.detach()
         n_acc += 1
         opt.zero_grad(set_to_none=True)
         total_loss.backward()
@@ -266,26 +241,30 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
                     bar.total = total
         if step % opts.log_every == 0 or step == total:
             means = (acc / n_acc).tolist()
+            shown = means[1] if frozen else means[0]
             last = {"step": step, "loss": round(means[0], 5), "lr": lr, "tokens": step * B * S}
             if mtp is not None:
                 last["mtp_loss"] = round(means[1], 5)
+            if frozen:  # the trunk's loss is not computed
+                del last["loss"]
+                last["phase"] = "mtp"
             last["seconds"] = round(time.perf_counter() - t0, 2)
             log.write(json.dumps(last) + "\n")
             log.flush()
             acc.zero_()
             n_acc = 0
             if bar is not None:
-                bar.set_postfix(loss=f"{means[0]:.3f}", refresh=False)
+                bar.set_postfix(loss=f"{shown:.3f}", refresh=False)
             else:
-                print(f"step {step}/{total or '?'} loss {means[0]:.4f} lr {lr:.2e} {last['seconds']:.0f} s", flush=True)
+                print(f"step {step}/{total or '?'} loss {shown:.4f} lr {lr:.2e} {last['seconds']:.0f} s", flush=True)
         if bar is not None:
             bar.update(1)
         every = opts.eval_every or max(10, (total or max_steps or 1000) // 20)
         if step % every == 0 and step >= preset.warmup_steps:
-            ppl = evaluate(model, mtp, streams["heldout"], S, check_windows, max(1, B // 2), cuda)["heldout_ppl"]
+            ppl = evaluate(model, mtp, streams["heldout"], S, check_windows, max(1, B // 2), cuda)[checked]
             checks.append([step, round(ppl, 4)])
             if ppl < best["ppl"]:
-                best.update(ppl=ppl, step=step, misses=0, state=_snapshot(model, mtp))
+                best.update(ppl=ppl, step=step, misses=0, state=_snapshot(trained, mtp))
             else:
                 best["misses"] += 1
                 if best["misses"] >= opts.patience:
@@ -296,10 +275,10 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
     train_seconds = time.perf_counter() - t0
     if total is None:  # the time budget ran out before the pace was measured: what ran is the plan
         total = step
-    final_ppl = evaluate(model, mtp, streams["heldout"], S, check_windows, max(1, B // 2), cuda)["heldout_ppl"]
+    final_ppl = evaluate(model, mtp, streams["heldout"], S, check_windows, max(1, B // 2), cuda)[checked]
     kept = step
     if best["state"] is not None and best["ppl"] < final_ppl:  # an earlier check was better: keep those weights
-        _restore(model, mtp, best["state"])
+        _restore(trained, mtp, best["state"])
         kept = best["step"]
     if bar is not None:
         bar.close()
@@ -314,7 +293,10 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
     t1 = time.perf_counter()
     ev = evaluate(model, mtp, streams["heldout"], S, preset.eval_windows, max(1, B // 2), cuda)
     eval_seconds = time.perf_counter() - t1
-    save_checkpoint(out, model, mtp)
+    if frozen:
+        attach.save_attached(out, src, trunk, model, mtp, preset.mtp_copies)
+    else:
+        save_checkpoint(out, model, mtp)
     metrics = {
         "preset": asdict(preset),
         "params": sum(p.numel() for p in model.parameters()),
@@ -328,7 +310,7 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
         "tokens_seen": step * B * S,
         "train_seconds": round(train_seconds, 2),
         "eval_seconds": round(eval_seconds, 2),
-        "final_train_loss": last.get("loss"),
+        "final_train_loss": last.get("mtp_loss" if frozen else "loss"),
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
         "precision": "bf16 autocast, fp32 weights" if cuda else "fp32",
@@ -339,11 +321,14 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
         "versions": {"python": platform.python_version(), "torch": torch.__version__, **_versions()},
         **ev,
     }
+    if frozen:  # DIR's metrics (the trunk's), this run's under "mtp"
+        metrics = attach.merge_metrics(src, {k: v for k, v in metrics.items() if k not in ev}, ev)
     (out / "train_metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True) + "\n")
     line = f"{preset.name}: held-out perplexity {ev['heldout_ppl']:.3f} ({metrics['params']:,} parameters, "
+    line += "frozen trunk; MTP module: " if frozen else ""
     line += f"{step} steps, {train_seconds:.0f} s on {device})"
     if mtp is not None:
-        line += f"; MTP (token after next) perplexity {ev['mtp_heldout_ppl']:.3f}"
+        line += f"; MTP (token after next) perplexity {ev['mtp_heldout_ppl']:.3f}, top-1 {ev['mtp_top1']:.3f}"
     print(line, flush=True)
     return metrics
 

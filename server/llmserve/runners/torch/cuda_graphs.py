@@ -89,6 +89,8 @@ class DecodeGraphs:
         self.num_sms = num_sms
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}  # final hidden states (for an MTP module)
+        self.last_hidden: torch.Tensor | None = None  # those of the last replay, [bucket * q, hidden]
         self.pool = None
 
     def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -105,10 +107,10 @@ class DecodeGraphs:
             self.cu_q[q][: bs + 1], self.seq_lens[:bs], self.bt[:bs], seq[:n], qstart[:n], self.block_t, splits
         )
 
-    def _run(self, bs: int, q: int) -> torch.Tensor:
+    def _run(self, bs: int, q: int) -> tuple[torch.Tensor, torch.Tensor]:
         t = bs * q
         hidden = self.model.forward(self.ids[:t], self.pos[:t], self.slots[:t], self._meta(bs, q), self.kv_cache)
-        return self.model.logits(hidden)
+        return hidden, self.model.logits(hidden)
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -123,7 +125,7 @@ class DecodeGraphs:
                 self._run(bs, q)  # warm up (compiles kernels, picks cuBLAS algorithms)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                    self.logits[q, bs] = self._run(bs, q)
+                    self.hidden[q, bs], self.logits[q, bs] = self._run(bs, q)
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[q, bs] = g
@@ -140,6 +142,7 @@ class DecodeGraphs:
         into the static ids before the replay."""
         bs = self.load(a, fill_ids, q)
         self.graphs[q, bs].replay()
+        self.last_hidden = self.hidden[q, bs]
         return self.logits[q, bs]
 
     def load(self, a: dict[str, np.ndarray], fill_ids=None, q: int = 1) -> int:

@@ -22,10 +22,12 @@ distributions q (one row per proposal) go with the proposals (`Request.draft_pro
 verifies them by rejection sampling against q (sampler.py), so the output keeps the target's
 distribution whatever the draft proposes.
 
-Limits: each single-token step takes its input from the host (one device sync per proposal step):
-the runner's public forward takes host token ids. On the GPU the target's KV cache is sized from the
-memory free when it loads, before the draft: leave room for the draft (BLOCK_BS, or a lower
-KV_CACHE_MEMORY_FRACTION).
+The chain's steps take their input tokens from the device (the last step's proposals): one copy to
+the host at the end, unless a request has penalties (they count the proposals before each row, so
+those are read back step by step).
+
+Limits: on the GPU the target's KV cache is sized from the memory free when it loads, before the
+draft: leave room for the draft (BLOCK_BS, or a lower KV_CACHE_MEMORY_FRACTION).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from llmserve.config import Config, ConfigError
@@ -44,20 +47,10 @@ from llmserve.engine.speculative import Proposer
 from llmserve.models.config import ModelConfig
 from llmserve.runners.base import SeqChunk, StepBatch
 
+from .inputs import FedChunk
 from .runner import TorchRunner
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class _FedChunk(SeqChunk):
-    """A chunk whose input tokens are given (proposals, which are not the request's tokens)."""
-
-    ids: list[int] = field(default_factory=list)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.ids
 
 
 @dataclass
@@ -76,6 +69,10 @@ class _Plan:
     length: int  # the request's tokens (prompt + output)
     k: int  # proposals for it this step
     props: list[int] = field(default_factory=list)
+
+
+def _penalised(p) -> bool:
+    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
 
 
 def draft_config(config: Config, target_blocks: int) -> Config:
@@ -200,26 +197,38 @@ class DraftModelProposer(Proposer):
         logits = self._catch_up(plans)
         first = [len(p.sh.real.output_token_ids) for p in plans]  # output index of the first proposal
         steps: list[tuple[list[int], torch.Tensor | None]] = []  # (plans drafted, their q rows) per step
+        drawn: list[torch.Tensor] = []  # each step's proposals, on the device
+        # Penalties count the proposals before a row: only then are they read back step by step.
+        host_each_step = any(_penalised(p.sh.real.params) for p in plans)
         active = list(range(len(plans)))
         for s in range(k):
-            if s:  # feed each active request its last proposal
-                active = [i for i in active if plans[i].k > s]
+            if s:  # feed each active request its last proposal, from the device
+                prev, active = active, [i for i in active if plans[i].k > s]
                 if not active:
                     break
-                chunks = [
-                    _FedChunk(plans[i].sh.req, plans[i].length + s - 1, 1, True, ids=[plans[i].props[-1]])
-                    for i in active
-                ]
-                logits = self.runner.forward_logits(StepBatch(chunks))
+                feed = drawn[-1]
+                if len(active) < len(prev):
+                    where = {i: j for j, i in enumerate(prev)}
+                    (idx,) = self.runner.uploader.upload([np.fromiter((where[i] for i in active), np.int64)])
+                    feed = feed[idx.long()]
+                chunks = [FedChunk(plans[i].sh.req, plans[i].length + s - 1, 1, True, ids=[0]) for i in active]
+                logits = self.runner.forward_logits(StepBatch(chunks), ids=feed)
                 for i in active:
                     plans[i].sh.req.num_computed_tokens += 1
             shadows = [plans[i].sh.req for i in active]
-            tokens, q = sampler.propose(
-                logits, shadows, [first[i] + s for i in active], [plans[i].props for i in active]
-            )
-            for i, t in zip(active, tokens.tolist()):
-                plans[i].props.append(t)
+            prior = [plans[i].props for i in active] if host_each_step else None
+            tokens, q = sampler.propose(logits, shadows, [first[i] + s for i in active], prior)
+            drawn.append(tokens)
+            if host_each_step:
+                for i, t in zip(active, tokens.tolist()):
+                    plans[i].props.append(t)
             steps.append((active, q))
+        if not host_each_step:  # one copy to the host for all steps
+            flat = torch.cat(drawn).tolist()
+            for active, _ in steps:
+                for i, t in zip(active, flat[: len(active)]):
+                    plans[i].props.append(t)
+                flat = flat[len(active) :]
         self._hand_over(plans, steps)
 
     def _catch_up(self, plans: list[_Plan]) -> torch.Tensor:
@@ -251,7 +260,7 @@ class DraftModelProposer(Proposer):
         state = self.runner.sampler.penalties
         for p in plans:
             prm, sh = p.sh.real.params, p.sh
-            if not (prm.repetition_penalty != 1.0 or prm.frequency_penalty or prm.presence_penalty):
+            if not _penalised(prm):
                 continue
             out = sh.real.output_token_ids
             row = state.row.get(sh.req.req_id)

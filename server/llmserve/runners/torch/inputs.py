@@ -8,7 +8,7 @@ preparation costs one transfer however many requests the batch holds.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import chain
 
 import numpy as np
@@ -18,6 +18,17 @@ from llmserve.engine.request import PENDING
 from llmserve.runners.base import SeqChunk
 
 from .kernels.attention import AttnMeta
+
+
+@dataclass
+class FedChunk(SeqChunk):
+    """A chunk whose input tokens are given (a proposer's own tokens, not the request's)."""
+
+    ids: list[int] = field(default_factory=list)
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.ids
 
 
 @dataclass

@@ -69,6 +69,23 @@ class _Reader:
         return torch.cat([self.get(n) for n in names], dim=0)
 
 
+def load_layer(r: _Reader, p: str) -> LayerWeights:
+    """One decoder layer's weights under prefix `p` (e.g. "model.layers.3."), q/k/v and gate/up fused."""
+    a = p + "self_attn."
+    bias = None
+    if r.has(a + "q_proj.bias"):
+        bias = r.cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+    return LayerWeights(
+        in_norm=r.get(p + "input_layernorm.weight"),
+        qkv=r.cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+        qkv_bias=bias,
+        o=r.get(a + "o_proj.weight"),
+        post_norm=r.get(p + "post_attention_layernorm.weight"),
+        gate_up=r.cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+        down=r.get(p + "mlp.down_proj.weight"),
+    )
+
+
 class DecoderModel:
     def __init__(
         self, cfg: ModelConfig, model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int
@@ -83,24 +100,7 @@ class DecoderModel:
         self.scale = self.head_dim**-0.5
         r = _Reader(Path(model_dir), device, dtype)
         self.embed = r.get("model.embed_tokens.weight")
-        self.layers: list[LayerWeights] = []
-        for i in range(cfg.num_hidden_layers):
-            p = f"model.layers.{i}."
-            a = p + "self_attn."
-            bias = None
-            if r.has(a + "q_proj.bias"):
-                bias = r.cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
-            self.layers.append(
-                LayerWeights(
-                    in_norm=r.get(p + "input_layernorm.weight"),
-                    qkv=r.cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-                    qkv_bias=bias,
-                    o=r.get(a + "o_proj.weight"),
-                    post_norm=r.get(p + "post_attention_layernorm.weight"),
-                    gate_up=r.cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=r.get(p + "mlp.down_proj.weight"),
-                )
-            )
+        self.layers = [load_layer(r, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
         self.norm = r.get("model.norm.weight")
         tied = cfg.tie_word_embeddings or not r.has("lm_head.weight")
         self.lm_head = self.embed if tied else r.get("lm_head.weight")
@@ -128,9 +128,7 @@ class DecoderModel:
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V into `kv_cache`
         ([layers, 2, num_blocks, KVH, block_size, D]; fp16 for a bf16 model, see runner.py)."""
-        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         eps = self.cfg.rms_norm_eps
-        T = input_ids.shape[0]
         h = F.embedding(input_ids, self.embed)
         # The residual stream stays in fp32: in bf16 its rounding, summed over 2 * layers
         # additions, is the largest error of a bf16 forward (a few % of the logits at 32 layers).
@@ -139,15 +137,32 @@ class DecoderModel:
         for i, lw in enumerate(self.layers):
             if i > 0:
                 x = rms_norm(h, lw.in_norm, eps, residual)
-            # q stays fp32 through rotary into attention; k and v are rounded once, into the (fp16) cache.
-            qkv = self._linear(x, lw.qkv, lw.qkv_bias)
-            rope_and_cache(qkv, positions, slot_mapping, self.cos_sin, kv_cache[i, 0], kv_cache[i, 1], H, KVH)
-            q = qkv[:, : H * D].view(T, H, D)
-            attn = paged_attention(q, kv_cache[i, 0], kv_cache[i, 1], meta, self.scale, self.dtype)
-            h = self._linear(attn.view(T, H * D), lw.o)
-            x = rms_norm(h, lw.post_norm, eps, residual)
-            h = self._linear(swiglu(self._linear(x, lw.gate_up), self.dtype), lw.down)
+            h = self.layer(lw, x, residual, positions, slot_mapping, meta, kv_cache[i])
         return rms_norm(h, self.norm, eps, residual)
+
+    def layer(
+        self,
+        lw: LayerWeights,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        meta: AttnMeta,
+        kv: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decoder layer on its normed input `x` [T, hidden]: attention (writing K/V into `kv`,
+        [2, num_blocks, KVH, block_size, D]), `residual += attention output`, then the MLP, whose
+        output it returns (the caller adds it to the residual with the next norm)."""
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        T = x.shape[0]
+        # q stays fp32 through rotary into attention; k and v are rounded once, into the (fp16) cache.
+        qkv = self._linear(x, lw.qkv, lw.qkv_bias)
+        rope_and_cache(qkv, positions, slot_mapping, self.cos_sin, kv[0], kv[1], H, KVH)
+        q = qkv[:, : H * D].view(T, H, D)
+        attn = paged_attention(q, kv[0], kv[1], meta, self.scale, self.dtype)
+        h = self._linear(attn.view(T, H * D), lw.o)
+        x = rms_norm(h, lw.post_norm, self.cfg.rms_norm_eps, residual)
+        return self._linear(swiglu(self._linear(x, lw.gate_up), self.dtype), lw.down)
 
     def _linear(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """a @ w.T (+ bias); with `wide`, written in fp32 by cuBLAS instead of rounded to bf16."""

@@ -26,6 +26,7 @@ from .cuda_graphs import DecodeGraphs, decode_splits, verify_arrays
 from .inputs import StepInputs, Uploader, host_arrays, work_items
 from .kernels.attention import AttnMeta, tile_tokens
 from .model import DecoderModel
+from .mtp import MTPHead
 from .sampler import DeviceSampler
 
 log = logging.getLogger(__name__)
@@ -84,6 +85,10 @@ class TorchRunner(ModelRunner):
         self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1)
         log.info("loaded %.2f GB of weights in %.1f s", self.model.weight_bytes / 1e9, time.perf_counter() - t0)
         self.uploader = Uploader(self.device)
+        # SPECULATE_METHOD=mtp: the checkpoint's MTP module; its K/V are one more layer of the cache.
+        self.mtp = None
+        if config.speculate_method == "mtp":
+            self.mtp = MTPHead(self.model, model_dir, config, self.uploader.upload)
         self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last_rows: dict[str, int] = {}
         # Prompt tokens of one request per step: a CPU step over 2048 tokens deep in a long prompt
@@ -99,9 +104,9 @@ class TorchRunner(ModelRunner):
         spec = config.speculate_method != "none"
         self.max_sampled_rows = max(min(self.max_batch, 512), 512 if spec else 0) if cuda else 0
         self.num_kv_blocks = self._size_kv_cache()
-        L, KVH, D = mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim
+        KVH, D = mc.num_key_value_heads, mc.head_dim
         self.kv_cache = torch.zeros(
-            L, 2, self.num_kv_blocks, KVH, self.block_size, D, dtype=self.kv_dtype, device=self.device
+            self._kv_layers, 2, self.num_kv_blocks, KVH, self.block_size, D, dtype=self.kv_dtype, device=self.device
         )
         self.graphs: DecodeGraphs | None = None
         if cuda and config.cuda_graphs:
@@ -112,10 +117,14 @@ class TorchRunner(ModelRunner):
             self.graphs.capture()
 
     # ---- KV cache sizing ------------------------------------------------------
+    @property
+    def _kv_layers(self) -> int:
+        return self.model_config.num_hidden_layers + (self.mtp is not None)
+
     def _block_bytes(self) -> int:
         mc = self.model_config
         item = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * mc.num_hidden_layers * mc.num_key_value_heads * self.block_size * mc.head_dim * item
+        return 2 * self._kv_layers * mc.num_key_value_heads * self.block_size * mc.head_dim * item
 
     def _size_kv_cache(self) -> int:
         fixed = self.config.num_kv_blocks_from_block_bs
@@ -230,22 +239,30 @@ class TorchRunner(ModelRunner):
         ids.index_copy_(0, idx[0], self._last_tokens.index_select(0, idx[1]).to(ids.dtype))
 
     @torch.inference_mode()
-    def forward_logits(self, batch: StepBatch) -> torch.Tensor:
-        """Logits [sampled rows, V] (float32) of a step; writes its K/V. Exposed for tests."""
-        return self._forward(batch, host_arrays(batch.chunks, self.block_size))[0]
+    def forward_logits(self, batch: StepBatch, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [sampled rows, V] (float32) of a step; writes its K/V. `ids`: the step's input tokens
+        on the device (a draft model's own proposals, never read back), else the chunks' token_ids."""
+        return self._forward(batch, host_arrays(batch.chunks, self.block_size), ids)[0]
 
-    def _forward(self, batch: StepBatch, a: dict) -> tuple[torch.Tensor, torch.Tensor | None, StepInputs | None]:
-        """Sampled rows' logits, and for an eager step its hidden states and inputs (None from a graph)."""
+    def _forward(
+        self, batch: StepBatch, a: dict, ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor | None, StepInputs | None]:
+        """Sampled rows' logits, the step's final hidden states, and its device inputs (None when a
+        graph ran it)."""
         B = len(batch.chunks)
         self._mark_start()
         g = self.graphs
         # The graphs return the logits of sampled rows only, not of prompt-logprob positions.
         if g is not None and "plp_tok" not in a and a["bt"].shape[1] <= g.max_blocks:
             if a["ids"].shape[0] == B and g.bucket(B) is not None:  # decode only
-                logits = g.replay(a, lambda ids: self._fill_pending(batch, ids, a))
+                fill = (
+                    (lambda dst: dst.copy_(ids)) if ids is not None else (lambda dst: self._fill_pending(batch, dst, a))
+                )
+                logits = g.replay(a, fill)
+                hidden = g.last_hidden[:B]
                 if a["sampled"].shape[0] == B:
-                    return logits[:B], None, None
-                return logits[torch.from_numpy(a["sampled"]).to(self.device)], None, None
+                    return logits[:B], hidden, None
+                return logits[torch.from_numpy(a["sampled"]).to(self.device)], hidden, None
             q = 1 + max(len(c.draft_token_ids) for c in batch.chunks)
             n = a["q_lens"]
             # Verification only: every chunk its last token and drafts (no prefill chunk beside them).
@@ -253,9 +270,12 @@ class TorchRunner(ModelRunner):
                 if (n == np.fromiter((c.num_sampled_rows for c in batch.chunks), np.int64, B)).all():
                     v = verify_arrays(a, n, q)
                     logits = g.replay(v, q=q)
-                    return logits[torch.from_numpy(v["rows"]).to(self.device)], None, None
+                    rows = torch.from_numpy(v["rows"]).to(self.device)
+                    return logits[rows], g.last_hidden[rows], None
         x = self.prepare(batch, a)
         self._fill_pending(batch, x.input_ids, a)
+        if ids is not None:
+            x.input_ids.copy_(ids)
         hidden = self.model.forward(x.input_ids, x.positions, x.slot_mapping, x.meta, self.kv_cache)
         return self.model.logits(hidden[x.sample_idx.long()]), hidden, x
 
@@ -283,6 +303,8 @@ class TorchRunner(ModelRunner):
         next step's PENDING inputs and are copied back asynchronously for `result`."""
         if batch.finished_req_ids:
             self.sampler.drop(batch.finished_req_ids)
+            if self.mtp is not None:
+                self.mtp.drop(batch.finished_req_ids)
         self._t_start = None
         a = host_arrays(batch.chunks, self.block_size)
         logits, hidden, x = self._forward(batch, a)
@@ -293,17 +315,21 @@ class TorchRunner(ModelRunner):
             plp = (asking, self._prompt_logprobs(hidden, x, min(k, self.vocab_size)))
         sampled = [c for c in batch.chunks if c.sample]
         reqs = [c.request for c in sampled]
-        num_new = rows = None
+        num_new = rows = num_new_dev = None
         if any(c.draft_token_ids for c in sampled):  # verification (serial steps: no PENDING follows)
             out_index = [c.start + c.num_tokens - len(c.draft_token_ids) - c.request.num_prompt_tokens for c in sampled]
-            tokens, num_new, lps = self.sampler.verify(logits, sampled, out_index)
-            rows, num_new = [c.num_sampled_rows for c in sampled], self._to_host(num_new)
+            tokens, num_new_dev, lps = self.sampler.verify(logits, sampled, out_index)
+            rows, num_new = [c.num_sampled_rows for c in sampled], self._to_host(num_new_dev)
         elif reqs:
             out_index = [c.start + c.num_tokens - c.request.num_prompt_tokens for c in sampled]
             tokens, lps = self.sampler.sample(logits, reqs, out_index)
         else:
             tokens, lps = logits.new_zeros(0, dtype=torch.long), None
         self._last_tokens, self._last_rows = tokens, {r.req_id: i for i, r in enumerate(reqs)}
+        if self.mtp is not None:  # the MTP module's K/V at this step's positions (mtp.py)
+            x = x if x is not None else self.prepare(batch, a)
+            kv = self.kv_cache[self.model_config.num_hidden_layers]
+            self.mtp.extend(batch.chunks, a, hidden, x, tokens, num_new_dev if rows else None, kv)
         host = self._to_host(tokens)
         if plp is not None:  # copied with the tokens: result() must not wait on the next step's work
             plp = (plp[0], tuple(self._to_host(t) for t in plp[1]))

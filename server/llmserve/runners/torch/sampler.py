@@ -183,7 +183,7 @@ class DeviceSampler:
         tokens.index_copy_(0, at, torch.where(keep, d, fix))
 
     def propose(
-        self, logits: torch.Tensor, reqs: list[Request], out_index: list[int], prior: list[list[int]]
+        self, logits: torch.Tensor, reqs: list[Request], out_index: list[int], prior: list[list[int]] | None
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """A draft model's proposals (runners/torch/draft.py): logits [N, V] (modified in place) are
         processed as `_sample` processes them (prior[i]: the proposals before row i, counted by its

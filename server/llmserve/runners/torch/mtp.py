@@ -1,0 +1,222 @@
+"""MTP proposals (SPECULATE_METHOD=mtp) on the torch runner.
+
+A DeepSeek-V3-style multi-token-prediction module (train/mtp.py; checkpoint tensors under
+`model.layers.{N}.`, `num_nextn_predict_layers` in config.json) over the target's trunk: at position
+i it takes the trunk's last hidden state h_i and the embedding of token t_{i+1} and predicts t_{i+2}:
+
+    x = eh_proj(cat(enorm(embed(t_{i+1})), hnorm(h_i)))      (embedding zeroed at position 0)
+    y = shared_head.norm(decoder_layer(x))                   one layer, causal, RoPE at i
+    logits = lm_head(y)                                      the trunk's LM head
+
+Its K/V live in one more layer of the target's KV cache, at the same slots as the target's: the
+target's block tables, rollback and block lifetimes serve it unchanged. Two parts:
+
+- `MTPHead.extend`, in every target step (runner.submit, whatever k): the module over every position
+  the step computed, with t_{i+1} the next input token or, at sampled rows, the token the target drew
+  there (for a verification row j: the token at row j, which equals draft j + 1 where it was accepted).
+  Rows past a rejection write K/V that the rollback makes stale and a later step overwrites. Each
+  sampled request's y at its last accepted position is kept (`state`): it predicts the token after
+  the one just drawn, the first proposal.
+- `MTPProposer`: before scheduling it asks for k placeholder proposals, so that the scheduler reserves
+  their KV slots within its budget and limits; after scheduling (`fill`) it writes the real ones: the
+  first from the kept y, then a chain of k - 1 single-token steps that feed the module its own output
+  y in place of the trunk's (not yet computed) hidden state and its last proposal as the next token,
+  writing K/V at the reserved slots (overwritten by the verification step's extend). Proposals are the
+  module's argmax, verified as one-hot proposals (lossless for greedy and sampled requests alike).
+  Tokens stay on the device through the chain; one copy to the host at its end.
+
+The MTP entry of a position depends on the token after it, so a block shared through the prefix
+cache holds, at its last position, the entry of the request that wrote it: a weaker proposal for a
+request that continues differently, never a wrong output (verification is lossless).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from llmserve.config import Config, ConfigError
+from llmserve.engine.request import Request
+from llmserve.engine.speculative import Proposer
+from llmserve.runners.base import SeqChunk, StepBatch
+
+from .inputs import FedChunk, StepInputs, host_arrays
+from .kernels.norm import rms_norm
+from .model import DecoderModel, LayerWeights, _Reader, load_layer
+
+
+@dataclass
+class MTPWeights:
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: torch.Tensor  # [hidden, 2 * hidden]: embedding half first
+    layer: LayerWeights
+    norm: torch.Tensor  # shared_head.norm
+
+
+def find_mtp(model_dir: str, config: Config, hidden_size: int) -> tuple[Path, str]:
+    """(checkpoint directory, tensor prefix) of the MTP module: SPECULATE_MODEL_PATH when set, else
+    MODEL_DIR. ConfigError naming the setting when there is none."""
+    where = config.speculate_model_path or model_dir
+    setting = "SPECULATE_MODEL_PATH" if config.speculate_model_path else "MODEL_DIR"
+    d = Path(where)
+    if not d.is_dir() or not any(d.glob("*.safetensors")):
+        raise ConfigError(f"SPECULATE_METHOD=mtp: {setting}={where!r} is not an HF safetensors checkpoint")
+    reader = _Reader(d, torch.device("cpu"), torch.float32)
+    prefixes = sorted(
+        (n[: -len("eh_proj.weight")] for n in reader.where if n.endswith(".eh_proj.weight")),
+        key=lambda p: int(p.split(".")[-2]) if p.split(".")[-2].isdigit() else 0,
+    )
+    if not prefixes:
+        layers = None
+        if (d / "config.json").is_file():
+            layers = json.loads((d / "config.json").read_text()).get("num_nextn_predict_layers")
+        raise ConfigError(
+            f"SPECULATE_METHOD=mtp: {setting}={where!r} has no MTP module (no `model.layers.N.eh_proj.weight`; "
+            f"num_nextn_predict_layers={layers}): serve a checkpoint with one, point SPECULATE_MODEL_PATH at "
+            "it, or use SPECULATE_METHOD=ngram or draft"
+        )
+    p = prefixes[0]
+    shape = tuple(reader.get(p + "enorm.weight").shape)
+    if shape != (hidden_size,):
+        raise ConfigError(
+            f"SPECULATE_METHOD=mtp: the MTP module in {setting}={where!r} has hidden size {shape[0]}, "
+            f"the model {hidden_size}"
+        )
+    return d, p
+
+
+class MTPHead:
+    """The module's weights, its forward over the KV cache's extra layer, and the kept outputs."""
+
+    def __init__(self, model: DecoderModel, model_dir: str, config: Config, upload) -> None:
+        self.model = model
+        self.upload = upload  # Uploader.upload: host int32 arrays to the device through pinned memory
+        d, p = find_mtp(model_dir, config, model.cfg.hidden_size)
+        r = _Reader(d, model.device, model.dtype)
+        self.w = MTPWeights(
+            r.get(p + "enorm.weight"), r.get(p + "hnorm.weight"), r.get(p + "eh_proj.weight"), load_layer(r, p),
+            r.get(p + "shared_head.norm.weight"),
+        )  # fmt: skip
+        self.weight_bytes = sum(
+            t.numel() * t.element_size()
+            for t in [self.w.enorm, self.w.hnorm, self.w.eh_proj, self.w.norm, *vars(self.w.layer).values()]
+            if t is not None
+        )
+        # Each request's y at its last accepted position: row self.rows[req_id] of `state`.
+        self.state = torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
+        self.rows: dict[str, int] = {}
+        self._free: list[int] = []
+
+    def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, x: StepInputs, kv: torch.Tensor) -> torch.Tensor:
+        """y [T, hidden] (after shared_head.norm) at positions `x.positions`, given the trunk's (or the
+        chain's) hidden state there and the next token; writes the module's K/V into `kv`."""
+        m, w, eps = self.model, self.w, self.model.cfg.rms_norm_eps
+        e = F.embedding(next_ids, m.embed) * (x.positions != 0)[:, None].to(m.dtype)
+        cat = torch.cat([rms_norm(e, w.enorm, eps), rms_norm(hidden.to(m.dtype), w.hnorm, eps)], dim=-1)
+        h = m._linear(cat, w.eh_proj)
+        residual = h.float()
+        out = m.layer(w.layer, rms_norm(h, w.layer.in_norm, eps), residual, x.positions, x.slot_mapping, x.meta, kv)
+        return rms_norm(out, w.norm, eps, residual)
+
+    def _row(self, req_id: str) -> int:
+        r = self.rows.get(req_id)
+        if r is None:
+            if not self._free:
+                n = self.state.shape[0]
+                grow = max(64, n)
+                self.state = torch.cat([self.state, self.state.new_zeros(grow, self.state.shape[1])])
+                self._free = list(range(n + grow - 1, n - 1, -1))
+            r = self.rows[req_id] = self._free.pop()
+        return r
+
+    def drop(self, req_ids: list[str]) -> None:
+        for rid in req_ids:
+            r = self.rows.pop(rid, None)
+            if r is not None:
+                self._free.append(r)
+
+    def extend(
+        self,
+        chunks: list[SeqChunk],
+        a: dict,
+        hidden: torch.Tensor,
+        x: StepInputs,
+        tokens: torch.Tensor,
+        num_new: torch.Tensor | None,
+        kv: torch.Tensor,
+    ) -> None:
+        """After a target step (module doc): the module's K/V at the step's positions, and each sampled
+        request's y at its last accepted position."""
+        ids, cu = a["ids"], a["cu_q"]
+        nxt = np.zeros(ids.shape[0], dtype=np.int64)
+        nxt[:-1] = ids[1:]
+        for i, c in enumerate(chunks):
+            if not c.sample:  # a prompt piece: the prompt token after it
+                end = c.start + c.num_tokens
+                nxt[cu[i + 1] - 1] = c.request.token_ids_slice(end, end + 1)[0]
+        sampled = [c for c in chunks if c.sample]
+        rows = np.fromiter((self._row(c.request.req_id) for c in sampled), np.int64, len(sampled))
+        n_rows = np.fromiter((c.num_sampled_rows for c in sampled), np.int64, len(sampled))
+        # One pinned upload (a pageable copy would wait for the step in flight).
+        nxt_dev, rows_dev, first = self.upload([nxt, rows, np.cumsum(n_rows) - n_rows])
+        nxt_dev = nxt_dev.long()
+        sample_idx = x.sample_idx.long()
+        nxt_dev[sample_idx] = tokens  # sampled rows: what the target drew there
+        y = self.forward(nxt_dev, hidden, x, kv)
+        if not sampled:
+            return
+        last = sample_idx if num_new is None else sample_idx[first.long() + num_new.long() - 1]
+        self.state[rows_dev.long()] = y[last]
+
+
+class MTPProposer(Proposer):
+    """Placeholders before scheduling, the module's proposals after it (module doc)."""
+
+    PLACEHOLDER = 0
+
+    def __init__(self, runner) -> None:  # a TorchRunner with its `mtp` head
+        self.runner = runner
+        self.head: MTPHead = runner.mtp
+
+    def propose(self, reqs: list[Request], k: int) -> None:
+        for req in reqs:  # a request the module has not seen yet (none kept) waits a step
+            req.draft_token_ids = [self.PLACEHOLDER] * k if req.req_id in self.head.rows else []
+
+    def drop(self, req_ids: list[str]) -> None:
+        self.head.drop(req_ids)
+
+    @torch.inference_mode()
+    def fill(self, chunks: list[SeqChunk]) -> None:
+        chunks = [c for c in chunks if c.draft_token_ids]
+        if not chunks:
+            return
+        head, runner = self.head, self.runner
+        ks = [len(c.draft_token_ids) for c in chunks]
+        (rows,) = head.upload([np.fromiter((head.rows[c.request.req_id] for c in chunks), np.int64, len(chunks))])
+        y = head.state[rows.long()]
+        tok = runner.model.logits(y).argmax(-1)
+        drafts = [tok]
+        kv = runner.kv_cache[runner.model_config.num_hidden_layers]
+        for s in range(1, max(ks)):
+            act = [i for i, k in enumerate(ks) if k > s]
+            # Position of draft s's input: the chunk starts at the request's last token (draft 0's).
+            fed = [FedChunk(chunks[i].request, chunks[i].start + s - 1, 1, True, ids=[0]) for i in act]
+            a = host_arrays(fed, runner.block_size)
+            x = runner.prepare(StepBatch(fed), a)
+            (idx,) = head.upload([np.asarray(act, np.int64)])
+            idx = idx.long()
+            y_act = head.forward(tok[idx], y[idx], x, kv)
+            y, tok = y.clone(), tok.clone()
+            y[idx] = y_act
+            tok[idx] = runner.model.logits(y_act).argmax(-1)
+            drafts.append(tok)
+        got = torch.stack(drafts, dim=1).tolist()  # the one device sync
+        for c, k, row in zip(chunks, ks, got):
+            c.draft_token_ids[:] = row[:k]
+            c.request.draft_token_ids = c.draft_token_ids
