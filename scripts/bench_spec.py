@@ -148,8 +148,51 @@ def bench_oracle(out: str, batches: list[int], max_tokens: int, shape: str = "ll
     b1 = next((r for r in rows if r["batch"] == 1), None)
     if b1:
         R["oracle_verify_step_vs_plain_b1_k4"] = b1["k4"]["ms_per_step"] / b1["plain_ms_per_step"]
+        R["oracle_profile_b1"] = profile_b1(runner, base, plain_cfg, rng, max_tokens)
+        save(out)
     del runner
     torch.cuda.empty_cache()
+
+
+def profile_b1(runner, base: Config, plain_cfg: Config, rng, max_tokens: int) -> dict:
+    """Where a batch-1 step's time goes, plain and verifying k = 4 oracle proposals: torch.profiler's
+    per-step totals of device kernels and host (CPU) time, and the top kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = [rng.integers(0, runner.vocab_size, 128).tolist()]
+    plain = decode_run(LLMEngine(plain_cfg, runner), prompt, max_tokens)
+    out = {}
+    for name, k in (("plain", 0), ("k4", 4)):
+        if k:
+            engine = engine_for(runner, base, 4, False, OracleProposer(plain["tokens"]))
+        else:
+            engine = LLMEngine(plain_cfg, runner)
+        RUNS[0] += 1
+        engine.add_request(f"r{RUNS[0]}-0", prompt[0], SamplingParams(max_tokens=max_tokens, **GREEDY))
+        for _ in range(8):  # past the prefill
+            engine.step()
+        torch.cuda.synchronize()
+        steps = 12
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+            torch.cuda.synchronize()
+        ev = prof.key_averages()
+        kernels = sorted((e for e in ev if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+        out[name] = dict(
+            device_ms_per_step=sum(e.self_device_time_total for e in ev) / 1e3 / steps,
+            top_kernels=[
+                [e.key[:70], e.count // steps, round(e.device_time_total / 1e3 / steps, 4)] for e in kernels[:12]
+            ],
+            top_host=[
+                [e.key[:70], round(e.self_cpu_time_total / 1e3 / steps, 4)]
+                for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:15]
+            ],
+        )
+        while engine.has_unfinished():
+            engine.step()
+    print(json.dumps(out), flush=True)
+    return out
 
 
 def heldout_prompts(tokenizer, n: int, length: int, corpus_root: str = "", seed: int = 0) -> list[list[int]]:

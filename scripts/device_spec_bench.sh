@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 14's GPU measurements in one device call (scripts/bench_spec.py does the measuring):
-#   ORACLE=1 (default): the 8B-shaped random-weight model with an oracle proposer;
+#   ORACLE=1 (default): the 8B-shaped random-weight model with an oracle proposer (ORACLE_BATCHES,
+#   default 1,16,64,256; batch 1 adds a profile of a plain and a verification step);
 #   TRAINED=1: trains the reference target (+MTP) and draft on the stdlib (scripts/train_models.sh,
 #   TARGET_SECONDS / DRAFT_SECONDS), then acceptance per method and k and decode tokens/s.
 # Carry .whl-test (pytest, msgpack, safetensors), .whl (pyzmq) and .corpus (this machine's stdlib
@@ -12,7 +13,7 @@ mkdir -p "$OUT"
 pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-test/*.whl .whl/pyzmq*.whl 2>&1 | grep -v WARN || true
 export PYTHONPATH="$PWD/server:/tmp/site" PYTHONUNBUFFERED=1
 if [[ "${ORACLE:-1}" == 1 ]]; then
-  python scripts/bench_spec.py --oracle --out "$OUT/spec_oracle.json" 2>&1 | grep -v Warn
+  python scripts/bench_spec.py --oracle --batches "${ORACLE_BATCHES:-1,16,64,256}" --out "$OUT/spec_oracle.json" 2>&1 | grep -v Warn
 fi
 if [[ "${TRAINED:-0}" == 1 ]]; then
   mkdir -p /tmp/stdlib && tar xJf .corpus/stdlib.tar.xz -C /tmp/stdlib

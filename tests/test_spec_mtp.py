@@ -216,6 +216,61 @@ def test_abort_during_an_mtp_verification_step_frees_every_block():
     assert engine.block_manager.num_used == 0 and not engine.requests
 
 
+def eager_graphs(runner: TorchRunner):
+    """The runner's DecodeGraphs run eagerly on the CPU: a "replay" loads the static buffers and runs
+    what the graph would (cuda_graphs.DecodeGraphs.load), so decode and verification steps take the
+    graph paths, padded layouts included."""
+    from llmserve.runners.torch.cuda_graphs import DecodeGraphs
+
+    class EagerGraphs(DecodeGraphs):
+        replays: list[int] = []
+
+        def replay(self, a, fill_ids=None, q: int = 1):
+            self.replays.append(q)
+            bs = self.load(a, fill_ids, q)
+            self.hidden[q, bs], self.logits[q, bs] = self._run(bs, q)
+            self.last_hidden, self.last_key = self.hidden[q, bs], (q, bs)
+            return self.logits[q, bs]
+
+    mb = runner.max_batch
+    return EagerGraphs(
+        runner.model, runner.kv_cache, mb, runner.max_blocks_per_seq, 1, runner.config.speculate_max_draft_tokens
+    )
+
+
+def test_mtp_reads_graph_steps_in_their_padded_layout():
+    """Steps replayed as graphs hand the module their padded layout (static inputs, the graph's hidden
+    output, pad rows that write nothing): on the CPU, with the graphs run eagerly, the proposals and
+    the output are those of eager steps."""
+    seed = random.randrange(1 << 30)
+    reqs = demo_workload(seed, 8)
+    runs = {}
+    for graphs in (False, True):
+        engine = make_engine(str(DEMO_HF_DIR), 3, batch_size=8, speculate_adaptive=True)
+        ks = iter(random.Random(seed).choices([0, 0, 1, 3], k=5000))  # plain and verification steps
+        engine.draft_length.choose = lambda batch, acceptance, ks=ks: next(ks)
+        if graphs:
+            engine.runner.graphs = eager_graphs(engine.runner)
+        seen = runs[graphs] = {}
+        fill = engine.proposer.fill
+
+        def spy(chunks, fill=fill, seen=seen):
+            fill(chunks)
+            for c in chunks:
+                if c.draft_token_ids:
+                    seen[tuple(c.request.token_ids_slice(0, c.start + 1))] = list(c.draft_token_ids)
+
+        engine.proposer.fill = spy
+        seen["out"] = run(engine, reqs)
+        assert engine.stats().spec_accepted_tokens > 0
+        if graphs:  # decode and verification steps took the graph paths
+            assert 1 in engine.runner.graphs.replays and max(engine.runner.graphs.replays) > 1
+    assert runs[True].pop("out") == runs[False].pop("out"), f"seed {seed}"
+    both = [key for key in runs[True] if key in runs[False]]
+    same = sum(runs[True][key] == runs[False][key] for key in both)
+    assert len(both) > 20 and same >= 0.98 * len(both), f"seed {seed}: {same} of {len(both)}"
+
+
 # ---------------------------------------------------------------- start errors
 
 

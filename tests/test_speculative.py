@@ -336,25 +336,30 @@ def test_draft_length_rule():
     assert stats.acceptance > 0.95 and stats.accepted_at == [100, 100, 100]
 
 
-def test_draft_length_follows_measured_step_times():
-    """A host-bound model: verification steps measured 4x a plain step at this load stop speculation
-    (the model alone would speculate); equal times give the most drafts; every EXPLORE-th choice of a
-    bucket tries the other option."""
+def test_draft_length_follows_measured_rates():
+    """The rule runs a plain step first, then the k the model favours, and from then on judges each
+    k by its measured tokens per second: verification steps that take 4x a plain step and give 2.5x
+    its tokens stop speculation (the model alone would speculate); steps that take 1.2x and give 2.5x
+    keep it; a k the model favours is tried before it is judged; every EXPLORE-th choice at a load
+    runs the other option."""
     rule = DraftLength(max_k=3, saturation_tokens=256)
-    assert rule.choose(4, 0.6) == rule.choose(4, 0.6) == 0  # plain steps until one is measured
-    rule.observe(4, 0, 0.001)
-    assert rule.choose(4, 0.6) == 3  # then modelled: a small batch verifies nearly for free
+    B = 4
+    assert rule.choose(B, 0.6) == rule.choose(B, 0.6) == 0  # plain steps until one is measured
+    rule.observe(B, 0, 0.001, B)
+    assert rule.choose(B, 0.6) == 3  # then the model: a small batch verifies nearly for free
     for _ in range(10):
-        rule.observe(4, 0, 0.001)
-        for k in (1, 2, 3):
-            rule.observe(4, k, 0.004)
-    picks = [rule.choose(4, 0.6) for _ in range(rule.EXPLORE * 2)]
-    assert picks.count(0) == len(picks) - 2 and picks.count(3) == 2  # explored twice
-    assert rule.choose(64, 0.6) == 0  # another load: not measured yet
+        rule.observe(B, 0, 0.001, B)
+        rule.observe(B, 3, 0.004, 2.5 * B)  # measured: 0.625x the plain rate
+    assert rule.choose(B, 0.6) == 2  # k = 2 is not measured yet: the model favours it, so try it
+    rule.observe(B, 2, 0.004, 2.2 * B)
+    assert rule.choose(B, 0.6) == 1
+    rule.observe(B, 1, 0.003, 1.6 * B)
+    picks = [rule.choose(B, 0.6) for _ in range(rule.EXPLORE * 2)]
+    assert picks.count(0) == len(picks) - 2 and picks.count(3) == 2  # plain, exploring the model's k twice
+    assert rule.rate(64, 0) is None and rule.choose(64, 0.6) == 0  # another load: not measured yet
     for _ in range(30):
-        for k in range(4):
-            rule.observe(4, k, 0.001)  # now verification is as cheap as a plain step
-    assert rule.choose(4, 0.6) == 3
+        rule.observe(B, 3, 0.0012, 2.5 * B)  # now verification pays
+    assert rule.choose(B, 0.6) == 3
 
 
 def test_speculation_settings_are_checked():

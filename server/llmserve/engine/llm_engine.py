@@ -97,6 +97,7 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._left: list[str] = []  # req_ids that left since the last step (for the runner)
         self._inflight: tuple[SchedulerOutput, object] | None = None  # launched, output not taken in
+        self._emitted = 0  # tokens the step last taken in gave
         self._steps = self._prompt_tokens = self._gen_tokens = self._preemptions = 0
         self._step_time = self._schedule_time = self._execute_time = 0.0
         self._model_time = self._sample_time = self._output_time = 0.0
@@ -195,7 +196,10 @@ class LLMEngine:
         elapsed = time.perf_counter() - t0
         self._step_time += elapsed
         if spec and sched.chunks and all(c.num_tokens == c.num_sampled_rows for c in sched.chunks):
-            self.draft_length.observe(batch, k, elapsed)  # decoding steps only: a prompt chunk would skew it
+            # Decoding steps only (a prompt chunk would skew it). A plain step gives a token per
+            # request; a verification step (serial: taken in above) what it accepted.
+            tokens = self._emitted if k else len(sched.chunks)
+            self.draft_length.observe(batch, k, elapsed, tokens)
         return outputs
 
     def _draft_length(self, batch: int) -> int:
@@ -233,6 +237,7 @@ class LLMEngine:
         if result.prompt_logprobs:
             self._gather_prompt_logprobs(sched, result.prompt_logprobs)
         sampled = [c for c in sched.chunks if c.sample]
+        self._emitted = sum(len(t) for t in result.token_ids)
         logprobs = result.logprobs or [None] * len(sampled)
         verified = []
         for chunk, tokens, lps in zip(sampled, result.token_ids, logprobs):

@@ -153,70 +153,84 @@ class SpecStats:
 
 
 class DraftLength:
-    """k per step: the draft length with the most expected tokens per unit of step time.
+    """k per step: the draft length that gives the most tokens per second at the current load.
 
-    With per-position acceptance a, k drafts yield E(k) = 1 + a + ... + a^k tokens per request.
-    Choose the k in 0..K maximising E(k) / cost(k), cost relative to a plain step (k = 0):
-    - measured, once both are: the decayed mean wall time of steps with k drafts over that of plain
-      steps, for loads of the same size (a power-of-two bucket of the batch). This sees everything
-      a verification step costs: the proposer's work, the host work that overlapped plain steps
-      hide, the kernels' shapes. A bucket starts with plain steps until one is measured, and
-      every EXPLORE-th choice tries the other option (a plain step while speculating, the model's k
-      while not), so the measurements follow the load. Only decoding steps are measured;
-    - until then, modelled: a step over t tokens costs max(1, t / S) (S: the runner's
-      `saturation_tokens`, where a step stops being bound by reading the weights), plus OVERHEAD
-      per draft; so at a small batch verification is nearly free, and at B >= S the rule gives 0.
-    So speculation stops where it does not pay: on a saturated GPU, and on a host-bound model."""
+    For each load (a power-of-two bucket of running + waiting requests) and each k it has run, it
+    keeps decayed means of a decoding step's wall time and of the tokens the step gave (one per
+    request at k = 0; accepted drafts + 1 per request that had drafts, 1 per request that had none).
+    Their ratio is the k's measured rate. A k not yet run at this load is estimated from the plain
+    rate and a model: rate(0) * E(k) / cost(k), with E(k) = 1 + a + ... + a^k for the measured
+    per-position acceptance a (SpecStats) and cost(k) = max(1, B (k + 1) / S) (1 + OVERHEAD k), S the
+    runner's `saturation_tokens` (where a step stops being bound by reading the weights). The model
+    is optimistic, so a k it favours is run and then judged by its measurement, which sees what a
+    step really costs (the proposer's work, the serial verification step, kernel shapes) and really
+    gives (requests with nothing to propose, the acceptance at this load). A load starts with a
+    plain step (its rate is the yardstick), and every EXPLORE-th choice at a load runs the other
+    option (a plain step while speculating, the model's k while not), so the measurements follow
+    the load. Only decoding steps are measured (a prompt chunk would skew them). So speculation
+    stops where it does not pay: on a saturated GPU, on a host-bound model, for requests whose
+    proposals are rarely accepted."""
 
     OVERHEAD = 0.02
     EXPLORE = 32
-    DECAY = 0.8  # of the mean step time: the last ~5 steps of a kind count most
+    DECAY = 0.8  # of the means: the last ~5 steps of a kind count most
 
     def __init__(self, max_k: int, saturation_tokens: int, adaptive: bool = True) -> None:
         self.max_k, self.saturation, self.adaptive = max_k, saturation_tokens, adaptive
-        self._time: dict[tuple[int, int], float] = {}  # (batch bucket, k) -> decayed mean step seconds
+        # (batch bucket, k) -> decayed means of (step seconds, tokens the step gave)
+        self._seen: dict[tuple[int, int], tuple[float, float]] = {}
         self._steps: dict[int, int] = {}  # choices made per batch bucket
 
     @staticmethod
     def _bucket(batch: int) -> int:
         return max(1, batch).bit_length()
 
-    def observe(self, batch: int, k: int, seconds: float) -> None:
-        """A step of `k` drafts per request (0: plain) took `seconds` of wall time at this load."""
+    def observe(self, batch: int, k: int, seconds: float, tokens: int) -> None:
+        """A decoding step of `k` drafts per request (0: plain) took `seconds` of wall time at this
+        load and gave `tokens` tokens."""
         key = (self._bucket(batch), k)
-        old = self._time.get(key)
-        self._time[key] = seconds if old is None else self.DECAY * old + (1 - self.DECAY) * seconds
+        old = self._seen.get(key)
+        d = self.DECAY
+        self._seen[key] = (
+            (seconds, tokens) if old is None else (d * old[0] + (1 - d) * seconds, d * old[1] + (1 - d) * tokens)
+        )
+
+    def rate(self, batch: int, k: int) -> float | None:
+        """Measured tokens per second of steps with k drafts at this load (None: not run yet)."""
+        got = self._seen.get((self._bucket(batch), k))
+        return got[1] / got[0] if got and got[0] > 0 else None
 
     def modelled(self, batch: int, acceptance: float) -> int:
-        return self._best(acceptance, lambda k: self._model_cost(batch, k) / self._model_cost(batch, 0))
+        return self._best(lambda k: self._gain(acceptance, k) / self._model_cost(batch, k))
 
     def choose(self, batch: int, acceptance: float) -> int:
         if not self.adaptive:
             return self.max_k
         if batch < 1:
             return 0
+        plain = self.rate(batch, 0)
+        if plain is None:
+            return 0  # a plain step first: the yardstick
+
+        def rate(k: int) -> float:
+            got = self.rate(batch, k)
+            if got is not None:
+                return got
+            return plain * self._gain(acceptance, k) * self._model_cost(batch, 0) / self._model_cost(batch, k)
+
+        best = self._best(rate)
         b = self._bucket(batch)
-        plain = self._time.get((b, 0))
-
-        def cost(k: int) -> float:
-            t = self._time.get((b, k))
-            if k and plain and t:
-                return t / plain
-            return self._model_cost(batch, k) / self._model_cost(batch, 0)
-
-        best = self._best(acceptance, cost)
-        if best and plain is None:
-            return 0  # a plain step first, to measure what speculation must beat
         n = self._steps[b] = self._steps.get(b, 0) + 1
         if n % self.EXPLORE == 0:  # measure the road not taken
             return 0 if best else self.modelled(batch, acceptance)
         return best
 
+    @staticmethod
+    def _gain(acceptance: float, k: int) -> float:
+        return sum(acceptance**j for j in range(k + 1))
+
     def _model_cost(self, batch: int, k: int) -> float:
         return max(1.0, batch * (k + 1) / self.saturation) * (1 + self.OVERHEAD * k)
 
-    def _best(self, acceptance: float, cost) -> int:
-        def rate(k: int) -> float:
-            return sum(acceptance**j for j in range(k + 1)) / cost(k)
-
+    def _best(self, rate) -> int:
         return max(range(self.max_k + 1), key=lambda k: (rate(k), -k))

@@ -21,7 +21,7 @@ import logging
 import numpy as np
 import torch
 
-from .inputs import PinnedStaging
+from .inputs import PinnedStaging, StepInputs
 from .kernels.attention import AttnMeta, tile_tokens
 
 log = logging.getLogger(__name__)
@@ -91,6 +91,7 @@ class DecodeGraphs:
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}  # final hidden states (for an MTP module)
         self.last_hidden: torch.Tensor | None = None  # those of the last replay, [bucket * q, hidden]
+        self.last_key: tuple[int, int] = (1, 0)  # (q, bucket) of the last replay
         self.pool = None
 
     def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -133,6 +134,13 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         log.info("captured CUDA graphs: %s", {q: bs for q, bs in self.buckets.items()})
 
+    def inputs(self) -> StepInputs:
+        """The last replay's inputs in its padded layout (static buffers): positions, slots, attention
+        metadata (pad rows: slot -1, nothing to attend), for work that follows it eagerly (MTP)."""
+        q, bs = self.last_key
+        t = bs * q
+        return StepInputs(self.ids[:t], self.pos[:t], self.slots[:t], self._meta(bs, q), self.ids[:0])
+
     def bucket(self, batch: int, q: int = 1) -> int | None:
         return next((b for b in self.buckets.get(q, ()) if b >= batch), None)
 
@@ -142,7 +150,7 @@ class DecodeGraphs:
         into the static ids before the replay."""
         bs = self.load(a, fill_ids, q)
         self.graphs[q, bs].replay()
-        self.last_hidden = self.hidden[q, bs]
+        self.last_hidden, self.last_key = self.hidden[q, bs], (q, bs)
         return self.logits[q, bs]
 
     def load(self, a: dict[str, np.ndarray], fill_ids=None, q: int = 1) -> int:

@@ -147,12 +147,14 @@ class MTPHead:
         a: dict,
         hidden: torch.Tensor,
         x: StepInputs,
+        layout: np.ndarray | None,
         tokens: torch.Tensor,
         num_new: torch.Tensor | None,
         kv: torch.Tensor,
     ) -> None:
         """After a target step (module doc): the module's K/V at the step's positions, and each sampled
-        request's y at its last accepted position."""
+        request's y at its last accepted position. `hidden`, `x`: the step's rows in its layout
+        (`layout[i]`: the row of packed token i; None: in order; a CUDA graph's pad rows write no K/V)."""
         ids, cu = a["ids"], a["cu_q"]
         nxt = np.zeros(ids.shape[0], dtype=np.int64)
         nxt[:-1] = ids[1:]
@@ -160,18 +162,22 @@ class MTPHead:
             if not c.sample:  # a prompt piece: the prompt token after it
                 end = c.start + c.num_tokens
                 nxt[cu[i + 1] - 1] = c.request.token_ids_slice(end, end + 1)[0]
+        sample = a["sample_tok"]
+        if layout is not None:
+            nxt_rows = np.zeros(hidden.shape[0], dtype=np.int64)
+            nxt_rows[layout] = nxt
+            nxt, sample = nxt_rows, layout[sample]
         sampled = [c for c in chunks if c.sample]
         rows = np.fromiter((self._row(c.request.req_id) for c in sampled), np.int64, len(sampled))
         n_rows = np.fromiter((c.num_sampled_rows for c in sampled), np.int64, len(sampled))
         # One pinned upload (a pageable copy would wait for the step in flight).
-        nxt_dev, rows_dev, first = self.upload([nxt, rows, np.cumsum(n_rows) - n_rows])
-        nxt_dev = nxt_dev.long()
-        sample_idx = x.sample_idx.long()
-        nxt_dev[sample_idx] = tokens  # sampled rows: what the target drew there
+        nxt_dev, sample_dev, rows_dev, first = self.upload([nxt, sample, rows, np.cumsum(n_rows) - n_rows])
+        nxt_dev, sample_dev = nxt_dev.long(), sample_dev.long()
+        nxt_dev[sample_dev] = tokens  # sampled rows: what the target drew there
         y = self.forward(nxt_dev, hidden, x, kv)
         if not sampled:
             return
-        last = sample_idx if num_new is None else sample_idx[first.long() + num_new.long() - 1]
+        last = sample_dev if num_new is None else sample_dev[first.long() + num_new.long() - 1]
         self.state[rows_dev.long()] = y[last]
 
 

@@ -246,9 +246,10 @@ class TorchRunner(ModelRunner):
 
     def _forward(
         self, batch: StepBatch, a: dict, ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor | None, StepInputs | None]:
-        """Sampled rows' logits, the step's final hidden states, and its device inputs (None when a
-        graph ran it)."""
+    ) -> tuple[torch.Tensor, torch.Tensor, StepInputs, np.ndarray | None]:
+        """Sampled rows' logits, the step's final hidden states, its device inputs (positions, slots,
+        attention metadata), and where each packed token's row is in those (None: in order). A
+        replayed graph gives its padded layout: its static inputs and outputs."""
         B = len(batch.chunks)
         self._mark_start()
         g = self.graphs
@@ -259,10 +260,11 @@ class TorchRunner(ModelRunner):
                     (lambda dst: dst.copy_(ids)) if ids is not None else (lambda dst: self._fill_pending(batch, dst, a))
                 )
                 logits = g.replay(a, fill)
-                hidden = g.last_hidden[:B]
+                layout = np.arange(B)
                 if a["sampled"].shape[0] == B:
-                    return logits[:B], hidden, None
-                return logits[torch.from_numpy(a["sampled"]).to(self.device)], hidden, None
+                    return logits[:B], g.last_hidden, g.inputs(), layout
+                (sampled,) = self.uploader.upload([a["sampled"]])  # pinned: a pageable copy would wait
+                return logits[sampled.long()], g.last_hidden, g.inputs(), layout
             q = 1 + max(len(c.draft_token_ids) for c in batch.chunks)
             n = a["q_lens"]
             # Verification only: every chunk its last token and drafts (no prefill chunk beside them).
@@ -270,14 +272,15 @@ class TorchRunner(ModelRunner):
                 if (n == np.fromiter((c.num_sampled_rows for c in batch.chunks), np.int64, B)).all():
                     v = verify_arrays(a, n, q)
                     logits = g.replay(v, q=q)
-                    rows = torch.from_numpy(v["rows"]).to(self.device)
-                    return logits[rows], g.last_hidden[rows], None
+                    # Pinned: a pageable copy would wait for the graph, and the host work after it with it.
+                    (rows,) = self.uploader.upload([v["rows"]])
+                    return logits[rows.long()], g.last_hidden, g.inputs(), v["rows"]
         x = self.prepare(batch, a)
         self._fill_pending(batch, x.input_ids, a)
         if ids is not None:
             x.input_ids.copy_(ids)
         hidden = self.model.forward(x.input_ids, x.positions, x.slot_mapping, x.meta, self.kv_cache)
-        return self.model.logits(hidden[x.sample_idx.long()]), hidden, x
+        return self.model.logits(hidden[x.sample_idx.long()]), hidden, x, None
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, x: StepInputs, k: int
@@ -307,7 +310,7 @@ class TorchRunner(ModelRunner):
                 self.mtp.drop(batch.finished_req_ids)
         self._t_start = None
         a = host_arrays(batch.chunks, self.block_size)
-        logits, hidden, x = self._forward(batch, a)
+        logits, hidden, x, layout = self._forward(batch, a)
         plp = None
         if "plp_tok" in a:
             asking = [c for c in batch.chunks if c.prompt_logprobs]
@@ -327,9 +330,8 @@ class TorchRunner(ModelRunner):
             tokens, lps = logits.new_zeros(0, dtype=torch.long), None
         self._last_tokens, self._last_rows = tokens, {r.req_id: i for i, r in enumerate(reqs)}
         if self.mtp is not None:  # the MTP module's K/V at this step's positions (mtp.py)
-            x = x if x is not None else self.prepare(batch, a)
             kv = self.kv_cache[self.model_config.num_hidden_layers]
-            self.mtp.extend(batch.chunks, a, hidden, x, tokens, num_new_dev if rows else None, kv)
+            self.mtp.extend(batch.chunks, a, hidden, x, layout, tokens, num_new_dev if rows else None, kv)
         host = self._to_host(tokens)
         if plp is not None:  # copied with the tokens: result() must not wait on the next step's work
             plp = (plp[0], tuple(self._to_host(t) for t in plp[1]))

@@ -243,7 +243,7 @@ class DeviceSampler:
             logits[idx[0][keep], idx[1][keep]] = float("-inf")
         if pen_rows is None:
             return None
-        return torch.tensor(pen, dtype=torch.int64, device=self.device), pen_rows
+        return torch.tensor(pen, dtype=torch.int64).to(self.device, non_blocking=True), pen_rows
 
     def _bias_block(self, req: Request) -> np.ndarray:
         cached = self._bias.get(req.req_id)
@@ -287,7 +287,7 @@ class DeviceSampler:
 
     def _logprobs(self, logits: torch.Tensor, idx: list[int], reqs: list[Request]):
         k = max(reqs[i].params.logprobs for i in idx)
-        b = torch.tensor(idx, dtype=torch.int64, device=self.device)
+        b = torch.tensor(idx, dtype=torch.int64).to(self.device, non_blocking=True)
         ls = torch.log_softmax(logits[b], dim=-1)
         top_v, top_i = ls.topk(max(k, 1), dim=-1)
 
