@@ -154,43 +154,44 @@ def bench_oracle(out: str, batches: list[int], max_tokens: int, shape: str = "ll
     torch.cuda.empty_cache()
 
 
-def profile_b1(runner, base: Config, plain_cfg: Config, rng, max_tokens: int) -> dict:
-    """Where a batch-1 step's time goes, plain and verifying k = 4 oracle proposals: torch.profiler's
-    per-step totals of device kernels and host (CPU) time, and the top kernels."""
+def profile_engine(engine: LLMEngine, prompt: list[int], max_tokens: int, steps: int = 12) -> dict:
+    """Where a batch-1 step's time goes: torch.profiler's per-step device kernel time, the top kernels
+    and the top host (CPU) work, over `steps` decoding steps of one request."""
     from torch.profiler import ProfilerActivity, profile
 
-    prompt = [rng.integers(0, runner.vocab_size, 128).tolist()]
-    plain = decode_run(LLMEngine(plain_cfg, runner), prompt, max_tokens)
-    out = {}
-    for name, k in (("plain", 0), ("k4", 4)):
-        if k:
-            engine = engine_for(runner, base, 4, False, OracleProposer(plain["tokens"]))
-        else:
-            engine = LLMEngine(plain_cfg, runner)
-        RUNS[0] += 1
-        engine.add_request(f"r{RUNS[0]}-0", prompt[0], SamplingParams(max_tokens=max_tokens, **GREEDY))
-        for _ in range(8):  # past the prefill
+    RUNS[0] += 1
+    engine.add_request(f"r{RUNS[0]}-0", prompt, SamplingParams(max_tokens=max_tokens, **GREEDY))
+    for _ in range(8):  # past the prefill
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
             engine.step()
         torch.cuda.synchronize()
-        steps = 12
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                engine.step()
-            torch.cuda.synchronize()
-        ev = prof.key_averages()
-        kernels = sorted((e for e in ev if e.device_time_total > 0), key=lambda e: -e.device_time_total)
-        out[name] = dict(
-            device_ms_per_step=sum(e.self_device_time_total for e in ev) / 1e3 / steps,
-            top_kernels=[
-                [e.key[:70], e.count // steps, round(e.device_time_total / 1e3 / steps, 4)] for e in kernels[:12]
-            ],
-            top_host=[
-                [e.key[:70], round(e.self_cpu_time_total / 1e3 / steps, 4)]
-                for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:15]
-            ],
-        )
-        while engine.has_unfinished():
-            engine.step()
+    while engine.has_unfinished():
+        engine.step()
+    ev = prof.key_averages()
+    kernels = sorted((e for e in ev if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    return dict(
+        device_ms_per_step=sum(e.self_device_time_total for e in ev) / 1e3 / steps,
+        top_kernels=[[e.key[:70], e.count // steps, round(e.device_time_total / 1e3 / steps, 4)] for e in kernels[:12]],
+        top_host=[
+            [e.key[:70], round(e.self_cpu_time_total / 1e3 / steps, 4)]
+            for e in sorted(ev, key=lambda e: -e.self_cpu_time_total)[:15]
+        ],
+    )
+
+
+def profile_b1(runner, base: Config, plain_cfg: Config, rng, max_tokens: int) -> dict:
+    """A batch-1 step, plain and verifying k = 4 oracle proposals (profile_engine)."""
+    prompt = [rng.integers(0, runner.vocab_size, 128).tolist()]
+    plain = decode_run(LLMEngine(plain_cfg, runner), prompt, max_tokens)
+    out = {
+        "plain": profile_engine(LLMEngine(plain_cfg, runner), prompt[0], max_tokens),
+        "k4": profile_engine(
+            engine_for(runner, base, 4, False, OracleProposer(plain["tokens"])), prompt[0], max_tokens
+        ),
+    }
     print(json.dumps(out), flush=True)
     return out
 
@@ -250,11 +251,16 @@ def bench_trained(out: str, models: str, max_tokens: int, corpus: str = "") -> N
             acc[name][f"k{k}"] = dict(acceptance=r["acceptance"], mean_accepted_len=r["mean_accepted_len"])
         print(name, json.dumps(acc[name]), flush=True)
         save(out)
+    # Decode rows: each engine serves the same requests twice and the second run counts (the
+    # draft-length rule, like a server's, has then measured its options at this load).
     for c in (1, 8, 64):
-        row = {"concurrency": c, "none": decode_run(LLMEngine(plain_cfg, runner), prompts[:c], max_tokens)}
+        engine = LLMEngine(plain_cfg, runner)
+        decode_run(engine, prompts[:c], max_tokens)
+        row = {"concurrency": c, "none": decode_run(engine, prompts[:c], max_tokens)}
         for name in methods:
             if name in proposers:
                 engine = engine_for(runners[name], base, 5, True, proposers[name])
+                decode_run(engine, prompts[:c], max_tokens)
                 row[name] = decode_run(engine, prompts[:c], max_tokens)
         for v in row.values():
             if isinstance(v, dict):
@@ -264,6 +270,16 @@ def bench_trained(out: str, models: str, max_tokens: int, corpus: str = "") -> N
                 row[name]["speedup"] = row[name]["decode_tok_s"] / row["none"]["decode_tok_s"]
         dec.append(row)
         print(json.dumps(row, default=str), flush=True)
+        save(out)
+    if "mtp" in proposers:  # where an MTP step's time goes, at k = 0 and at k = 3
+        R["trained_mtp_profile"] = prof = {}
+        for k in (0, 3):
+            cfg = dataclasses.replace(base, speculate_method="mtp", speculate_max_draft_tokens=max(k, 1))
+            engine = LLMEngine(dataclasses.replace(cfg, speculate_adaptive=False), runners["mtp"])
+            if not k:
+                engine.draft_length.choose = lambda batch, acceptance: 0
+            prof[f"k{k}"] = profile_engine(engine, prompts[0], max_tokens)
+        print(json.dumps(R["trained_mtp_profile"]), flush=True)
         save(out)
 
 

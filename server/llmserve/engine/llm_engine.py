@@ -31,6 +31,17 @@ class DuplicateRequestError(ValueError):
 
 
 @dataclass
+class _Launch:
+    """A step launched on the runner, and what speculation's draft-length rule measures it by."""
+
+    sched: SchedulerOutput
+    handle: object
+    batch: int  # running + waiting requests when it was scheduled
+    k: int  # drafts per request it verifies (0: a plain step)
+    t_launch: float
+
+
+@dataclass
 class EngineStats:
     running: int
     waiting: int
@@ -96,8 +107,8 @@ class LLMEngine:
         self._text: dict[str, TextState] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._left: list[str] = []  # req_ids that left since the last step (for the runner)
-        self._inflight: tuple[SchedulerOutput, object] | None = None  # launched, output not taken in
-        self._emitted = 0  # tokens the step last taken in gave
+        self._inflight: _Launch | None = None  # launched, output not taken in
+        self._last_done = 0.0  # when the last step's output was taken in
         self._steps = self._prompt_tokens = self._gen_tokens = self._preemptions = 0
         self._step_time = self._schedule_time = self._execute_time = 0.0
         self._model_time = self._sample_time = self._output_time = 0.0
@@ -174,7 +185,7 @@ class LLMEngine:
         batch = len(self.scheduler.running) + len(self.scheduler.waiting) if spec else 0
         k = self._draft_length(batch) if spec else 0
         if k and self._inflight is not None:
-            outputs += self._take_in(*self._inflight)
+            outputs += self._take_in(self._inflight)
             self._inflight = None
         if spec:
             self._propose(k)
@@ -185,21 +196,15 @@ class LLMEngine:
         launched = None
         if sched.chunks:
             left, self._left = self._left, []
-            launched = (sched, self.runner.submit(StepBatch(sched.chunks, finished_req_ids=left)))
+            launched = _Launch(sched, self.runner.submit(StepBatch(sched.chunks, finished_req_ids=left)), batch, k, t0)
             self._steps += 1
         t1 = time.perf_counter()
         self._schedule_time += t1 - t0
         overlap = self.overlap and not k
         done, self._inflight = (self._inflight, launched) if overlap else (launched, None)
         if done is not None:
-            outputs += self._take_in(*done)
-        elapsed = time.perf_counter() - t0
-        self._step_time += elapsed
-        if spec and sched.chunks and all(c.num_tokens == c.num_sampled_rows for c in sched.chunks):
-            # Decoding steps only (a prompt chunk would skew it). A plain step gives a token per
-            # request; a verification step (serial: taken in above) what it accepted.
-            tokens = self._emitted if k else len(sched.chunks)
-            self.draft_length.observe(batch, k, elapsed, tokens)
+            outputs += self._take_in(done)
+        self._step_time += time.perf_counter() - t0
         return outputs
 
     def _draft_length(self, batch: int) -> int:
@@ -224,10 +229,11 @@ class LLMEngine:
         if k and decoding:
             self.proposer.propose(decoding, k)
 
-    def _take_in(self, sched: SchedulerOutput, handle: object) -> list[RequestOutput]:
+    def _take_in(self, launch: _Launch) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them: stops, lengths, text."""
+        sched = launch.sched
         t1 = time.perf_counter()
-        result = self.runner.result(handle)
+        result = self.runner.result(launch.handle)
         t2 = time.perf_counter()
         self._execute_time += t2 - t1
         self._model_time += result.model_time
@@ -237,7 +243,6 @@ class LLMEngine:
         if result.prompt_logprobs:
             self._gather_prompt_logprobs(sched, result.prompt_logprobs)
         sampled = [c for c in sched.chunks if c.sample]
-        self._emitted = sum(len(t) for t in result.token_ids)
         logprobs = result.logprobs or [None] * len(sampled)
         verified = []
         for chunk, tokens, lps in zip(sampled, result.token_ids, logprobs):
@@ -253,7 +258,15 @@ class LLMEngine:
         if verified:
             self.spec_stats.record(verified)
         self.scheduler.update(sched)
-        self._output_time += time.perf_counter() - t2
+        done = time.perf_counter()
+        self._output_time += done - t2
+        if self.proposer is not None and all(c.num_tokens == c.num_sampled_rows for c in sched.chunks):
+            # Speculation's measure of a decoding step (a prompt chunk would skew it): the tokens it
+            # gave over its period, from the later of its launch and the previous step's completion
+            # to its own (with overlapped steps, the steady-state time per step).
+            period = done - max(self._last_done, launch.t_launch)
+            self.draft_length.observe(launch.batch, launch.k, period, sum(len(t) for t in result.token_ids))
+        self._last_done = done
         return outputs
 
     def _append(self, req: Request, tokens: list[int], lps: list | None, now: float) -> RequestOutput:

@@ -172,6 +172,7 @@ class DraftLength:
     proposals are rarely accepted."""
 
     OVERHEAD = 0.02
+    MARGIN = 0.05
     EXPLORE = 32
     DECAY = 0.8  # of the means: the last ~5 steps of a kind count most
 
@@ -219,6 +220,8 @@ class DraftLength:
             return plain * self._gain(acceptance, k) * self._model_cost(batch, 0) / self._model_cost(batch, k)
 
         best = self._best(rate)
+        if best and rate(best) < (1 + self.MARGIN) * plain:
+            best = 0  # too close to call: switching between serial and overlapped steps costs too
         b = self._bucket(batch)
         n = self._steps[b] = self._steps.get(b, 0) + 1
         if n % self.EXPLORE == 0:  # measure the road not taken
