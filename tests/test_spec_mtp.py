@@ -216,10 +216,10 @@ def test_abort_during_an_mtp_verification_step_frees_every_block():
     assert engine.block_manager.num_used == 0 and not engine.requests
 
 
-def eager_graphs(runner: TorchRunner):
+def eager_graphs(runner: TorchRunner, mtp_graphs: bool):
     """The runner's DecodeGraphs run eagerly on the CPU: a "replay" loads the static buffers and runs
     what the graph would (cuda_graphs.DecodeGraphs.load), so decode and verification steps take the
-    graph paths, padded layouts included."""
+    graph paths, padded layouts included; with `mtp_graphs`, the MTP module's graphs too."""
     from llmserve.runners.torch.cuda_graphs import DecodeGraphs
 
     class EagerGraphs(DecodeGraphs):
@@ -232,16 +232,27 @@ def eager_graphs(runner: TorchRunner):
             self.last_hidden, self.last_key = self.hidden[q, bs], (q, bs)
             return self.logits[q, bs]
 
-    mb = runner.max_batch
-    return EagerGraphs(
-        runner.model, runner.kv_cache, mb, runner.max_blocks_per_seq, 1, runner.config.speculate_max_draft_tokens
-    )
+        def _replay_mtp(self, key):
+            q, bs = key
+            self.mtp_y[q, bs] = self._run_mtp(bs, q)
+
+    k = runner.config.speculate_max_draft_tokens
+    mtp = runner.mtp if mtp_graphs else None
+    g = EagerGraphs(runner.model, runner.kv_cache, runner.max_batch, runner.max_blocks_per_seq, 1, k, mtp)
+    if mtp_graphs:  # "captured": static outputs of the main graphs, the module's graphs marked present
+        for q, buckets in g.buckets.items():
+            for bs in buckets:
+                g.hidden[q, bs] = torch.zeros(bs * q, runner.model.cfg.hidden_size, dtype=runner.model.dtype)
+                g.mtp_graphs[q, bs] = None
+    return g
 
 
-def test_mtp_reads_graph_steps_in_their_padded_layout():
+@pytest.mark.parametrize("mtp_graphs", [False, True])
+def test_mtp_reads_graph_steps_in_their_padded_layout(mtp_graphs):
     """Steps replayed as graphs hand the module their padded layout (static inputs, the graph's hidden
     output, pad rows that write nothing): on the CPU, with the graphs run eagerly, the proposals and
-    the output are those of eager steps."""
+    the output are those of eager steps, plain and verification steps alternating. With `mtp_graphs`
+    the module runs as its own graphs would, over their static buffers."""
     seed = random.randrange(1 << 30)
     reqs = demo_workload(seed, 8)
     runs = {}
@@ -250,7 +261,7 @@ def test_mtp_reads_graph_steps_in_their_padded_layout():
         ks = iter(random.Random(seed).choices([0, 0, 1, 3], k=5000))  # plain and verification steps
         engine.draft_length.choose = lambda batch, acceptance, ks=ks: next(ks)
         if graphs:
-            engine.runner.graphs = eager_graphs(engine.runner)
+            engine.runner.graphs = eager_graphs(engine.runner, mtp_graphs)
         seen = runs[graphs] = {}
         fill = engine.proposer.fill
 
@@ -265,6 +276,7 @@ def test_mtp_reads_graph_steps_in_their_padded_layout():
         assert engine.stats().spec_accepted_tokens > 0
         if graphs:  # decode and verification steps took the graph paths
             assert 1 in engine.runner.graphs.replays and max(engine.runner.graphs.replays) > 1
+            assert bool(engine.runner.graphs.mtp_y) == mtp_graphs  # the module ran as its graphs
     assert runs[True].pop("out") == runs[False].pop("out"), f"seed {seed}"
     both = [key for key in runs[True] if key in runs[False]]
     same = sum(runs[True][key] == runs[False][key] for key in both)

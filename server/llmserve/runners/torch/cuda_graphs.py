@@ -58,10 +58,20 @@ def verify_arrays(a: dict[str, np.ndarray], num_tokens: np.ndarray, q: int) -> d
 
 class DecodeGraphs:
     def __init__(
-        self, model, kv_cache: torch.Tensor, max_batch: int, max_blocks: int, num_sms: int, max_draft: int = 0
+        self,
+        model,
+        kv_cache: torch.Tensor,
+        max_batch: int,
+        max_blocks: int,
+        num_sms: int,
+        max_draft: int = 0,
+        mtp=None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
+        # An MTP module (mtp.MTPHead): each graph gets a second one that runs the module over the
+        # step's positions from the first's hidden states and a static buffer of next tokens.
+        self.mtp = mtp
         dev = kv_cache.device
         mb = self.max_batch = max_batch
         decode = [b for b in BUCKETS if b < max_batch] + [max_batch]
@@ -92,6 +102,9 @@ class DecodeGraphs:
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}  # final hidden states (for an MTP module)
         self.last_hidden: torch.Tensor | None = None  # those of the last replay, [bucket * q, hidden]
         self.last_key: tuple[int, int] = (1, 0)  # (q, bucket) of the last replay
+        self.mtp_ids = torch.zeros(mt, dtype=torch.long, device=dev)
+        self.mtp_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.mtp_y: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
 
     def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
@@ -113,6 +126,11 @@ class DecodeGraphs:
         hidden = self.model.forward(self.ids[:t], self.pos[:t], self.slots[:t], self._meta(bs, q), self.kv_cache)
         return hidden, self.model.logits(hidden)
 
+    def _run_mtp(self, bs: int, q: int) -> torch.Tensor:
+        """The MTP module over the graph (q, bs)'s positions: its hidden output and `mtp_ids`."""
+        kv = self.kv_cache[self.model.cfg.num_hidden_layers]
+        return self.mtp.forward(self.mtp_ids[: bs * q], self.hidden[q, bs], self.inputs((q, bs)), kv)
+
     @torch.inference_mode()
     def capture(self) -> None:
         self.slots.fill_(-1)
@@ -130,16 +148,38 @@ class DecodeGraphs:
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[q, bs] = g
+                if self.mtp is not None:
+                    self._run_mtp(bs, q)
+                    g = self.mtp_graphs[q, bs] = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=self.pool, stream=stream):
+                        self.mtp_y[q, bs] = self._run_mtp(bs, q)
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         log.info("captured CUDA graphs: %s", {q: bs for q, bs in self.buckets.items()})
 
-    def inputs(self) -> StepInputs:
-        """The last replay's inputs in its padded layout (static buffers): positions, slots, attention
-        metadata (pad rows: slot -1, nothing to attend), for work that follows it eagerly (MTP)."""
-        q, bs = self.last_key
+    def inputs(self, key: tuple[int, int] | None = None) -> StepInputs:
+        """The inputs of graph `key` (default: the last replayed) in its padded layout (static
+        buffers): positions, slots, attention metadata (pad rows: slot -1, nothing to attend)."""
+        q, bs = key or self.last_key
         t = bs * q
         return StepInputs(self.ids[:t], self.pos[:t], self.slots[:t], self._meta(bs, q), self.ids[:0])
+
+    def replay_mtp(
+        self, next_ids: torch.Tensor, hidden: torch.Tensor | None = None, key: tuple[int, int] | None = None
+    ) -> torch.Tensor:
+        """The MTP module's graph `key` (default: the last replayed) over its positions with these next
+        tokens, and these hidden states in place of the graph's own output (the proposer's chain,
+        after `load`); returns its output y for those rows (a view of a static buffer)."""
+        key = key or self.last_key
+        n = next_ids.shape[0]
+        if hidden is not None:
+            self.hidden[key][:n].copy_(hidden)
+        self.mtp_ids[:n].copy_(next_ids)
+        self._replay_mtp(key)
+        return self.mtp_y[key][:n]
+
+    def _replay_mtp(self, key: tuple[int, int]) -> None:
+        self.mtp_graphs[key].replay()
 
     def bucket(self, batch: int, q: int = 1) -> int | None:
         return next((b for b in self.buckets.get(q, ()) if b >= batch), None)

@@ -151,10 +151,13 @@ class MTPHead:
         tokens: torch.Tensor,
         num_new: torch.Tensor | None,
         kv: torch.Tensor,
+        run=None,
     ) -> None:
         """After a target step (module doc): the module's K/V at the step's positions, and each sampled
         request's y at its last accepted position. `hidden`, `x`: the step's rows in its layout
-        (`layout[i]`: the row of packed token i; None: in order; a CUDA graph's pad rows write no K/V)."""
+        (`layout[i]`: the row of packed token i; None: in order; a CUDA graph's pad rows write no K/V).
+        `run(next_ids)`: the module's output over those rows from a captured graph (cuda_graphs.py),
+        else it runs eagerly."""
         ids, cu = a["ids"], a["cu_q"]
         nxt = np.zeros(ids.shape[0], dtype=np.int64)
         nxt[:-1] = ids[1:]
@@ -174,7 +177,7 @@ class MTPHead:
         nxt_dev, sample_dev, rows_dev, first = self.upload([nxt, sample, rows, np.cumsum(n_rows) - n_rows])
         nxt_dev, sample_dev = nxt_dev.long(), sample_dev.long()
         nxt_dev[sample_dev] = tokens  # sampled rows: what the target drew there
-        y = self.forward(nxt_dev, hidden, x, kv)
+        y = run(nxt_dev) if run is not None else self.forward(nxt_dev, hidden, x, kv)
         if not sampled:
             return
         last = sample_dev if num_new is None else sample_dev[first.long() + num_new.long() - 1]
@@ -214,10 +217,14 @@ class MTPProposer(Proposer):
             # Position of draft s's input: the chunk starts at the request's last token (draft 0's).
             fed = [FedChunk(chunks[i].request, chunks[i].start + s - 1, 1, True, ids=[0]) for i in act]
             a = host_arrays(fed, runner.block_size)
-            x = runner.prepare(StepBatch(fed), a)
             (idx,) = head.upload([np.asarray(act, np.int64)])
             idx = idx.long()
-            y_act = head.forward(tok[idx], y[idx], x, kv)
+            g = runner.graphs
+            if g is not None and g.mtp_graphs and g.bucket(len(act)) is not None and a["bt"].shape[1] <= g.max_blocks:
+                bs = g.load(a)  # the module's decode graph over the chain's positions
+                y_act = g.replay_mtp(tok[idx], y[idx], (1, bs))
+            else:
+                y_act = head.forward(tok[idx], y[idx], runner.prepare(StepBatch(fed), a), kv)
             y, tok = y.clone(), tok.clone()
             y[idx] = y_act
             tok[idx] = runner.model.logits(y_act).argmax(-1)

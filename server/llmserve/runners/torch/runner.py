@@ -112,8 +112,9 @@ class TorchRunner(ModelRunner):
         if cuda and config.cuda_graphs:
             drafts = config.speculate_max_draft_tokens if config.speculate_method != "none" else 0
             self.graphs = DecodeGraphs(
-                self.model, self.kv_cache, min(self.max_batch, 512), self.max_blocks_per_seq, self.num_sms, drafts
-            )
+                self.model, self.kv_cache, min(self.max_batch, 512), self.max_blocks_per_seq, self.num_sms, drafts,
+                self.mtp,
+            )  # fmt: skip
             self.graphs.capture()
 
     # ---- KV cache sizing ------------------------------------------------------
@@ -331,7 +332,9 @@ class TorchRunner(ModelRunner):
         self._last_tokens, self._last_rows = tokens, {r.req_id: i for i, r in enumerate(reqs)}
         if self.mtp is not None:  # the MTP module's K/V at this step's positions (mtp.py)
             kv = self.kv_cache[self.model_config.num_hidden_layers]
-            self.mtp.extend(batch.chunks, a, hidden, x, layout, tokens, num_new_dev if rows else None, kv)
+            graph = layout is not None and bool(self.graphs.mtp_graphs)  # a replayed step: the module's graph
+            run = self.graphs.replay_mtp if graph else None
+            self.mtp.extend(batch.chunks, a, hidden, x, layout, tokens, num_new_dev if rows else None, kv, run)
         host = self._to_host(tokens)
         if plp is not None:  # copied with the tokens: result() must not wait on the next step's work
             plp = (plp[0], tuple(self._to_host(t) for t in plp[1]))
