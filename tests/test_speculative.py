@@ -361,6 +361,16 @@ def test_draft_length_follows_measured_rates():
         rule.observe(B, 3, 0.0012, 2.5 * B)  # now verification pays
     assert rule.choose(B, 0.6) == 3
 
+    # One-time costs (a kernel compiled for a new shape) do not linger: the first step of a kind is
+    # replaced by the second, and a later stall counts at most OUTLIER x the mean.
+    rule = DraftLength(max_k=1, saturation_tokens=256)
+    rule.observe(B, 0, 0.001, B)
+    rule.observe(B, 1, 0.5, 2 * B)  # the first verification step compiled its kernels
+    rule.observe(B, 1, 0.0012, 2 * B)
+    assert rule.rate(B, 1) == pytest.approx(2 * B / 0.0012)
+    rule.observe(B, 1, 1.0, 2 * B)
+    assert rule.rate(B, 1) > 2 * B / 0.0012 / 2 > rule.rate(B, 0) / 2  # not 1 / 400 of it
+
 
 def test_speculation_settings_are_checked():
     assert Config.from_env(env={"SPECULATE_METHOD": "ngram"}).speculate_method == "ngram"

@@ -173,6 +173,7 @@ class DraftLength:
 
     OVERHEAD = 0.02
     MARGIN = 0.05
+    OUTLIER = 4.0
     EXPLORE = 32
     DECAY = 0.8  # of the means: the last ~5 steps of a kind count most
 
@@ -180,6 +181,7 @@ class DraftLength:
         self.max_k, self.saturation, self.adaptive = max_k, saturation_tokens, adaptive
         # (batch bucket, k) -> decayed means of (step seconds, tokens the step gave)
         self._seen: dict[tuple[int, int], tuple[float, float]] = {}
+        self._count: dict[tuple[int, int], int] = {}  # steps observed per (batch bucket, k)
         self._steps: dict[int, int] = {}  # choices made per batch bucket
 
     @staticmethod
@@ -188,13 +190,18 @@ class DraftLength:
 
     def observe(self, batch: int, k: int, seconds: float, tokens: int) -> None:
         """A decoding step of `k` drafts per request (0: plain) took `seconds` of wall time at this
-        load and gave `tokens` tokens."""
+        load and gave `tokens` tokens. The first step of a kind at a load may pay one-time costs
+        (kernels compiled for new shapes, first graph replays) that would weigh on its mean for
+        hundreds of steps: the second replaces it, and no step counts for more than OUTLIER x the mean."""
         key = (self._bucket(batch), k)
         old = self._seen.get(key)
+        n = self._count[key] = self._count.get(key, 0) + 1
         d = self.DECAY
-        self._seen[key] = (
-            (seconds, tokens) if old is None else (d * old[0] + (1 - d) * seconds, d * old[1] + (1 - d) * tokens)
-        )
+        if old is None or n == 2:
+            self._seen[key] = (seconds, tokens)
+        else:
+            seconds = min(seconds, self.OUTLIER * old[0])
+            self._seen[key] = (d * old[0] + (1 - d) * seconds, d * old[1] + (1 - d) * tokens)
 
     def rate(self, batch: int, k: int) -> float | None:
         """Measured tokens per second of steps with k drafts at this load (None: not run yet)."""
