@@ -24,6 +24,9 @@ target's block tables, rollback and block lifetimes serve it unchanged. Two part
   writing K/V at the reserved slots (overwritten by the verification step's extend). Proposals are the
   module's argmax, verified as one-hot proposals (lossless for greedy and sampled requests alike).
   Tokens stay on the device through the chain; one copy to the host at its end.
+On CUDA the module runs as graphs captured beside the step graphs (cuda_graphs.py): after a replayed
+step over that graph's static inputs and hidden output, and for each chain step over the decode
+graph of its bucket; after an eager step, and where no graph fits, it runs eagerly.
 
 The MTP entry of a position depends on the token after it, so a block shared through the prefix
 cache holds, at its last position, the entry of the request that wrote it: a weaker proposal for a
