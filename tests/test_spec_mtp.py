@@ -21,7 +21,8 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from test_speculative import run, with_stop_strings
+from test_spec_draft import _one_thread  # noqa: F401 - autouse: one torch thread for this module
+from test_speculative import check_abort_while_verifying, check_stack_serves_speculating, run, with_stop_strings
 
 from llmserve.config import Config, ConfigError
 from llmserve.engine.llm_engine import LLMEngine
@@ -29,14 +30,6 @@ from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.tokenizer import load_tokenizer
 from llmserve.models.demo import DEMO_HF_DIR
 from llmserve.runners.torch.runner import TorchRunner
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def add_random_mtp(src, dst, seed: int) -> str:
@@ -76,6 +69,22 @@ def make_engine(model_dir: str, k: int = 0, tokenizer: bool = True, **overrides)
     return engine
 
 
+def record_proposals(engine: LLMEngine) -> dict:
+    """Every proposal the engine's MTP proposer makes from now on: the request's tokens so far (a
+    tuple) -> its drafts."""
+    got: dict = {}
+    fill = engine.proposer.fill
+
+    def spy(chunks):
+        fill(chunks)
+        for c in chunks:
+            if c.draft_token_ids:
+                got[tuple(c.request.token_ids_slice(0, c.start + 1))] = list(c.draft_token_ids)
+
+    engine.proposer.fill = spy
+    return got
+
+
 # ---------------------------------------------------------------- the module against a reference
 
 
@@ -105,16 +114,7 @@ def test_mtp_proposals_are_the_modules_argmax(tiny_hf_dir, tmp_path):
     model = add_random_mtp(tiny_hf_dir, tmp_path / "m", seed)
     # No prefix cache: a shared block's last MTP entry belongs to the request that wrote it (mtp.py).
     engine = make_engine(model, 3, tokenizer=False, enable_prefix_caching=False, max_seq_len=256)
-    captured = []
-    fill = engine.proposer.fill
-
-    def spy(chunks):
-        fill(chunks)
-        for c in chunks:
-            if c.draft_token_ids:
-                captured.append((c.request.token_ids_slice(0, c.start + 1), list(c.draft_token_ids)))
-
-    engine.proposer.fill = spy
+    proposals = record_proposals(engine)
     rng = np.random.default_rng(seed)
     reqs = []
     for i in range(6):
@@ -123,6 +123,7 @@ def test_mtp_proposals_are_the_modules_argmax(tiny_hf_dir, tmp_path):
             (f"r{i}", ids, SamplingParams(max_tokens=int(rng.integers(8, 30)), temperature=0.0, ignore_eos=True))
         )
     run(engine, reqs)
+    captured = list(proposals.items())
     assert len(captured) > 10
     trunk = LlamaForCausalLM.from_pretrained(model, attn_implementation="sdpa").eval()
     tensors = load_file(f"{model}/mtp.safetensors")
@@ -194,26 +195,7 @@ def test_abort_during_an_mtp_verification_step_frees_every_block():
     engine = make_engine(str(DEMO_HF_DIR), 4)
     for i, (_, ids, _) in enumerate(demo_workload(random.randrange(1 << 30), 6)):
         engine.add_request(f"a{i}", ids, SamplingParams(max_tokens=50, min_tokens=50, temperature=0))
-    submit = engine.runner.submit
-    aborted: list[str] = []
-
-    def submit_then_abort(batch):
-        handle = submit(batch)
-        verifying = [c.request.req_id for c in batch.chunks if c.draft_token_ids]
-        if verifying and not aborted:
-            aborted.append(verifying[0])
-            assert engine.abort(verifying[0])
-        return handle
-
-    engine.runner.submit = submit_then_abort
-    outs = []
-    while engine.has_unfinished():
-        outs += engine.step()
-    assert aborted
-    for i in range(6):
-        n = sum(len(o.new_token_ids) for o in outs if o.req_id == f"a{i}")
-        assert f"a{i}" in aborted or n == 50
-    assert engine.block_manager.num_used == 0 and not engine.requests
+    check_abort_while_verifying(engine, [f"a{i}" for i in range(6)], 50)
 
 
 def eager_graphs(runner: TorchRunner, mtp_graphs: bool):
@@ -262,16 +244,7 @@ def test_mtp_reads_graph_steps_in_their_padded_layout(mtp_graphs):
         engine.draft_length.choose = lambda batch, acceptance, ks=ks: next(ks)
         if graphs:
             engine.runner.graphs = eager_graphs(engine.runner, mtp_graphs)
-        seen = runs[graphs] = {}
-        fill = engine.proposer.fill
-
-        def spy(chunks, fill=fill, seen=seen):
-            fill(chunks)
-            for c in chunks:
-                if c.draft_token_ids:
-                    seen[tuple(c.request.token_ids_slice(0, c.start + 1))] = list(c.draft_token_ids)
-
-        engine.proposer.fill = spy
+        seen = runs[graphs] = record_proposals(engine)
         seen["out"] = run(engine, reqs)
         assert engine.stats().spec_accepted_tokens > 0
         if graphs:  # decode and verification steps took the graph paths
@@ -337,16 +310,7 @@ def test_mtp_on_cuda_graph_steps_proposes_as_on_eager_ones(tiny_hf_dir, tmp_path
     for graphs in (True, False):
         engine = make_engine(model, 3, tokenizer=False, device="cuda", cuda_graphs=graphs, enable_prefix_caching=False)
         assert (engine.runner.graphs is not None) == graphs
-        got = proposals[graphs] = {}
-        fill = engine.proposer.fill
-
-        def spy(chunks, fill=fill, got=got):
-            fill(chunks)
-            for c in chunks:
-                if c.draft_token_ids:
-                    got[tuple(c.request.token_ids_slice(0, c.start + 1))] = list(c.draft_token_ids)
-
-        engine.proposer.fill = spy
+        proposals[graphs] = record_proposals(engine)
         run(engine, reqs)
         assert engine.stats().spec_draft_tokens > 0
     both = [key for key in proposals[True] if key in proposals[False]]
@@ -355,33 +319,6 @@ def test_mtp_on_cuda_graph_steps_proposes_as_on_eager_ones(tiny_hf_dir, tmp_path
 
 
 def test_the_whole_stack_serves_with_mtp_speculation(tmp_path):
-    """Triton + HTTP front end with SPECULATE_METHOD=mtp on the trained demo checkpoint (torch
-    runner): greedy completions over OpenAI, native HTTP and Triton gRPC equal the offline engine's
-    without speculation, and the metrics show the module's proposals accepted."""
-    import requests
-
-    from llmserve.engine.llm import LLM
-    from llmserve.serving.testing import http_stack
-    from llmserve.triton.client import TritonStream, collect
-
-    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", "    for i in range(len(items)):\n"]
-    ref_llm = LLM(str(DEMO_HF_DIR), Config.from_env(env={}, block_bs=4, max_seq_len=1024, device="cpu"))
-    ref = ref_llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0))
-    ref_llm.shutdown()
-    env = dict(MODEL_DIR=str(DEMO_HF_DIR), LLMSERVE_DEVICE="cpu", SPECULATE_METHOD="mtp", MAX_SEQ_LEN=1024)
-    env |= dict(SPECULATE_MAX_DRAFT_TOKEN_NUM=3, SPECULATE_ADAPTIVE=0, BLOCK_BS=4)
-    with http_stack(tmp_path, **env) as stack:
-        stack.wait_ready()
-        for prompt, want in zip(prompts, ref):
-            body = {"model": "default", "prompt": prompt, "max_tokens": 48, "temperature": 0}
-            oa = requests.post(stack.http_base + "/v1/completions", json=body, timeout=120).json()
-            assert oa["choices"][0]["text"] == want.text and oa["usage"]["completion_tokens"] == len(want.token_ids)
-            nat = {"text": prompt, "max_dec_len": 48, "top_k": 1}
-            got = requests.post(stack.http_base + "/v1/chat/completions", json=nat, timeout=120).json()
-            assert got["token_ids"] == want.token_ids and got["result"] == want.text
-            msgs = collect(TritonStream(stack.grpc_url).submit(nat | {"req_id": f"g{len(prompt)}"}), timeout=120)
-            assert [t for m in msgs for t in m.get("token_ids", [])] == want.token_ids
-        m = stack.metrics()
-        drafted = m.get("llmserve_spec_decode_draft_tokens_total", 0)
-        accepted = m.get("llmserve_spec_decode_accepted_tokens_total", 0)
-        assert drafted > 0 and 0 < accepted <= drafted, m
+    """SPECULATE_METHOD=mtp on the trained demo checkpoint and its MTP module (torch runner)."""
+    env = dict(MODEL_DIR=str(DEMO_HF_DIR), LLMSERVE_DEVICE="cpu", SPECULATE_METHOD="mtp")
+    check_stack_serves_speculating(tmp_path, str(DEMO_HF_DIR), **env, SPECULATE_MAX_DRAFT_TOKEN_NUM=3)

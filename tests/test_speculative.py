@@ -172,6 +172,13 @@ def test_abort_during_a_verification_step_frees_every_block(models):
     for i in range(6):
         phrase = rng.integers(0, vocab, 3).tolist()
         engine.add_request(f"a{i}", phrase * 8, SamplingParams(max_tokens=60, min_tokens=60, temperature=0))
+    check_abort_while_verifying(engine, [f"a{i}" for i in range(6)], 60)
+
+
+def check_abort_while_verifying(engine: LLMEngine, req_ids: list[str], max_tokens: int) -> None:
+    """Run the engine's requests (`max_tokens` each, all of them) with the first request that
+    verifies drafts aborted while that step runs: it ends with an abort and nothing after it, the
+    others with exactly max_tokens, and every block is free."""
     submit = engine.runner.submit
     aborted: list[str] = []
 
@@ -190,9 +197,9 @@ def test_abort_during_a_verification_step_frees_every_block(models):
     assert aborted
     rest = [o for o in outs if o.req_id == aborted[0]]
     assert rest[-1].finish_reason == "abort" and not rest[-1].new_token_ids
-    for i in range(6):
-        n = sum(len(o.new_token_ids) for o in outs if o.req_id == f"a{i}")
-        assert f"a{i}" in aborted or n == 60  # exactly max_tokens, nothing past it
+    for rid in req_ids:
+        n = sum(len(o.new_token_ids) for o in outs if o.req_id == rid)
+        assert rid in aborted or n == max_tokens  # exactly max_tokens, nothing past it
     assert engine.block_manager.num_used == 0 and not engine.requests
 
 
@@ -386,9 +393,12 @@ def test_speculation_settings_are_checked():
             Config.from_env(env=env)
 
 
-def test_the_whole_stack_serves_with_ngram_speculation(tmp_path, demo_dir):
-    """Triton + HTTP front end with SPECULATE_METHOD=ngram on the trained demo model: greedy
-    completions over OpenAI, native HTTP and Triton gRPC equal the offline engine's without
+STACK_PROMPTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", "    for i in range(len(items)):\n"]
+
+
+def check_stack_serves_speculating(tmp_path, model_dir: str, **env) -> None:
+    """The whole stack (Triton + HTTP front end) with `env`: greedy completions of STACK_PROMPTS over
+    OpenAI, native HTTP and Triton gRPC equal the offline engine's on `model_dir` without
     speculation, and the metrics show drafts proposed and accepted."""
     import requests
 
@@ -396,15 +406,16 @@ def test_the_whole_stack_serves_with_ngram_speculation(tmp_path, demo_dir):
     from llmserve.serving.testing import http_stack
     from llmserve.triton.client import TritonStream, collect
 
-    prompts = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ", "    for i in range(len(items)):\n"]
-    ref_llm = LLM(demo_dir, Config.from_env(env={}, block_bs=4, max_seq_len=1024))
-    ref = ref_llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0.0))
+    ref_llm = LLM(model_dir, Config.from_env(env={}, block_bs=4, max_seq_len=1024, device="cpu"))
+    ref = ref_llm.generate(STACK_PROMPTS, SamplingParams(max_tokens=48, temperature=0.0))
     ref_llm.shutdown()
-    env = dict(SPECULATE_METHOD="ngram", SPECULATE_MAX_DRAFT_TOKEN_NUM=4, MAX_SEQ_LEN=1024, BLOCK_BS=4)
+    env = dict(
+        env, MAX_SEQ_LEN=1024, BLOCK_BS=4, SPECULATE_MAX_DRAFT_TOKEN_NUM=env.get("SPECULATE_MAX_DRAFT_TOKEN_NUM", 4)
+    )
     env |= dict(SPECULATE_ADAPTIVE=0)  # drafts every step (on this CPU the rule may measure them away)
     with http_stack(tmp_path, **env) as stack:
         stack.wait_ready()
-        for prompt, want in zip(prompts, ref):
+        for prompt, want in zip(STACK_PROMPTS, ref):
             body = {"model": "default", "prompt": prompt, "max_tokens": 48, "temperature": 0}
             oa = requests.post(stack.http_base + "/v1/completions", json=body, timeout=120).json()
             assert oa["choices"][0]["text"] == want.text and oa["usage"]["completion_tokens"] == len(want.token_ids)
@@ -417,3 +428,8 @@ def test_the_whole_stack_serves_with_ngram_speculation(tmp_path, demo_dir):
         drafted = m.get("llmserve_spec_decode_draft_tokens_total", 0)
         accepted = m.get("llmserve_spec_decode_accepted_tokens_total", 0)
         assert drafted > 0 and 0 < accepted <= drafted, m
+
+
+def test_the_whole_stack_serves_with_ngram_speculation(tmp_path, demo_dir):
+    """SPECULATE_METHOD=ngram on the trained demo model's static graph (Paddle runner)."""
+    check_stack_serves_speculating(tmp_path, demo_dir, SPECULATE_METHOD="ngram")
