@@ -109,6 +109,7 @@ class LLMEngine:
         self._left: list[str] = []  # req_ids that left since the last step (for the runner)
         self._inflight: _Launch | None = None  # launched, output not taken in
         self._last_done = 0.0  # when the last step's output was taken in
+        self._proposed = False  # the last step's requests may carry proposals (to clear)
         self._steps = self._prompt_tokens = self._gen_tokens = self._preemptions = 0
         self._step_time = self._schedule_time = self._execute_time = 0.0
         self._model_time = self._sample_time = self._output_time = 0.0
@@ -221,6 +222,9 @@ class LLMEngine:
         """Proposals (k each) for the decoding requests; stale ones are cleared."""
         if self._left:
             self.proposer.drop(self._left)
+        if not k and not self._proposed:  # a plain step after plain steps: nothing to clear or propose
+            return
+        self._proposed = bool(k)
         decoding = []
         for req in self.scheduler.running:
             req.draft_token_ids, req.draft_probs = [], None

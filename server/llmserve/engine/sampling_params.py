@@ -47,6 +47,11 @@ class SamplingParams:
         """Argmax decoding: temperature 0, or top-1 sampling (the same token, without the sort)."""
         return self.temperature == 0.0 or self.top_k == 1
 
+    @property
+    def penalised(self) -> bool:
+        """A repetition, frequency or presence penalty applies (its counts must be kept)."""
+        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
             raise ValueError(f"{name}: {why}")

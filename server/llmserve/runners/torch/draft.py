@@ -71,10 +71,6 @@ class _Plan:
     props: list[int] = field(default_factory=list)
 
 
-def _penalised(p) -> bool:
-    return p.repetition_penalty != 1.0 or bool(p.frequency_penalty) or bool(p.presence_penalty)
-
-
 def draft_config(config: Config, target_blocks: int) -> Config:
     """The draft runner's settings: the target's, with the draft model, no speculation of its own and
     a fixed KV cache: room for the target's tokens plus every sequence's proposals, at most
@@ -199,7 +195,7 @@ class DraftModelProposer(Proposer):
         steps: list[tuple[list[int], torch.Tensor | None]] = []  # (plans drafted, their q rows) per step
         drawn: list[torch.Tensor] = []  # each step's proposals, on the device
         # Penalties count the proposals before a row: only then are they read back step by step.
-        host_each_step = any(_penalised(p.sh.real.params) for p in plans)
+        host_each_step = any(p.sh.real.params.penalised for p in plans)
         active = list(range(len(plans)))
         for s in range(k):
             if s:  # feed each active request its last proposal, from the device
@@ -260,7 +256,7 @@ class DraftModelProposer(Proposer):
         state = self.runner.sampler.penalties
         for p in plans:
             prm, sh = p.sh.real.params, p.sh
-            if not _penalised(prm):
+            if not prm.penalised:
                 continue
             out = sh.real.output_token_ids
             row = state.row.get(sh.req.req_id)

@@ -106,11 +106,6 @@ class MTPHead:
             r.get(p + "enorm.weight"), r.get(p + "hnorm.weight"), r.get(p + "eh_proj.weight"), load_layer(r, p),
             r.get(p + "shared_head.norm.weight"),
         )  # fmt: skip
-        self.weight_bytes = sum(
-            t.numel() * t.element_size()
-            for t in [self.w.enorm, self.w.hnorm, self.w.eh_proj, self.w.norm, *vars(self.w.layer).values()]
-            if t is not None
-        )
         # Each request's y at its last accepted position: row self.rows[req_id] of `state`.
         self.state = torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
         self.rows: dict[str, int] = {}

@@ -247,10 +247,10 @@ class TorchRunner(ModelRunner):
 
     def _forward(
         self, batch: StepBatch, a: dict, ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, StepInputs, np.ndarray | None]:
-        """Sampled rows' logits, the step's final hidden states, its device inputs (positions, slots,
-        attention metadata), and where each packed token's row is in those (None: in order). A
-        replayed graph gives its padded layout: its static inputs and outputs."""
+    ) -> tuple[torch.Tensor, torch.Tensor, StepInputs | None, np.ndarray | None]:
+        """Sampled rows' logits, the step's final hidden states, its device inputs (None when a graph
+        ran it: `graphs.inputs()` gives them), and where each packed token's row is in the hidden
+        states (None: in order; a replayed graph's are in its padded layout)."""
         B = len(batch.chunks)
         self._mark_start()
         g = self.graphs
@@ -263,9 +263,9 @@ class TorchRunner(ModelRunner):
                 logits = g.replay(a, fill)
                 layout = np.arange(B)
                 if a["sampled"].shape[0] == B:
-                    return logits[:B], g.last_hidden, g.inputs(), layout
+                    return logits[:B], g.last_hidden, None, layout
                 (sampled,) = self.uploader.upload([a["sampled"]])  # pinned: a pageable copy would wait
-                return logits[sampled.long()], g.last_hidden, g.inputs(), layout
+                return logits[sampled.long()], g.last_hidden, None, layout
             q = 1 + max(len(c.draft_token_ids) for c in batch.chunks)
             n = a["q_lens"]
             # Verification only: every chunk its last token and drafts (no prefill chunk beside them).
@@ -275,7 +275,7 @@ class TorchRunner(ModelRunner):
                     logits = g.replay(v, q=q)
                     # Pinned: a pageable copy would wait for the graph, and the host work after it with it.
                     (rows,) = self.uploader.upload([v["rows"]])
-                    return logits[rows.long()], g.last_hidden, g.inputs(), v["rows"]
+                    return logits[rows.long()], g.last_hidden, None, v["rows"]
         x = self.prepare(batch, a)
         self._fill_pending(batch, x.input_ids, a)
         if ids is not None:
@@ -332,8 +332,10 @@ class TorchRunner(ModelRunner):
         self._last_tokens, self._last_rows = tokens, {r.req_id: i for i, r in enumerate(reqs)}
         if self.mtp is not None:  # the MTP module's K/V at this step's positions (mtp.py)
             kv = self.kv_cache[self.model_config.num_hidden_layers]
-            graph = layout is not None and bool(self.graphs.mtp_graphs)  # a replayed step: the module's graph
-            run = self.graphs.replay_mtp if graph else None
+            run = None
+            if x is None:  # a replayed graph: its inputs, and the module's own graph when captured
+                x = self.graphs.inputs()
+                run = self.graphs.replay_mtp if self.graphs.mtp_graphs else None
             self.mtp.extend(batch.chunks, a, hidden, x, layout, tokens, num_new_dev if rows else None, kv, run)
         host = self._to_host(tokens)
         if plp is not None:  # copied with the tokens: result() must not wait on the next step's work

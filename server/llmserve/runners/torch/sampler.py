@@ -224,9 +224,7 @@ class DeviceSampler:
         """In place: logit bias, penalties (prior[i]: drafts counted as output), the min_tokens ban.
         Returns (penalised row numbers, their penalty-state rows), or None when no row is penalised."""
         params = [r.params for r in reqs]
-        pen = [
-            i for i, p in enumerate(params) if p.repetition_penalty != 1.0 or p.frequency_penalty or p.presence_penalty
-        ]
+        pen = [i for i, p in enumerate(params) if p.penalised]
         ban = [i for i, r in enumerate(reqs) if out_index[i] < r.params.min_tokens and r.eos_token_ids]
         biased = [i for i, p in enumerate(params) if p.logit_bias]
         if biased:  # first, on the raw logits (OpenAI / vLLM): penalties, bans and cuts see the biased ones
