@@ -157,7 +157,7 @@ def bench_ours(model_dir: str, weight_bytes_hint: int, bw: float, seed: int, out
     R["weight_bytes"] = wb = runner.model.weight_bytes
     R["decode_floor_ms"] = wb / bw * 1e3
     R["kv_blocks"] = runner.num_kv_blocks
-    R["kv_cache_gb"] = runner.kv_cache.numel() * runner.kv_cache.element_size() / 1e9
+    R["kv_cache_gb"] = runner.num_kv_blocks * runner.kv_spec.block_bytes / 1e9
     timer = StepTimer(runner)
     engine = LLMEngine(cfg, runner)
     rng = np.random.default_rng(seed)
@@ -325,7 +325,8 @@ def profile_steps(runner: TorchRunner, out: str) -> None:
 
     mc = runner.model_config
     q = torch.randn(256, mc.num_attention_heads, mc.head_dim, device="cuda", dtype=runner.dtype)
-    ms = gpu_ms(lambda: paged_attention(q, kv[0, 0], kv[0, 1], x.meta, 0.1), reps=20)
+    k, v, k_scale, v_scale = kv.layer(0)
+    ms = gpu_ms(lambda: paged_attention(q, k, v, x.meta, 0.1, runner.dtype, k_scale, v_scale), reps=20)
     nbytes = 2 * 256 * 1025 * mc.num_key_value_heads * mc.head_dim * 2
     prof["attn_decode_b256_ctx1024"] = {"ms": ms, "tb_s": nbytes / ms / 1e9}
     print("attention b256 ctx1024:", prof["attn_decode_b256_ctx1024"], flush=True)

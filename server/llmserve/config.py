@@ -88,6 +88,17 @@ def _speculate_method(raw: str) -> str:
 
 
 SPECULATE_METHODS = ("none", "ngram", "draft", "mtp")
+QUANT_TYPES = ("", "weight_only_int8", "weight_only_int4", "fp8")
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+
+
+def _choice(choices: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        if raw not in choices:
+            raise ValueError("expected one of " + ", ".join(c or "(empty)" for c in choices))
+        return raw
+
+    return parse
 
 
 def _setting(env: str, default: Any, parse: Callable[[str], Any], *aliases: str, doc: str = ""):
@@ -200,7 +211,18 @@ class Config:
     # behaviour
     disable_streaming: bool = _setting("DISABLE_STREAMING", False, _bool, doc="send the whole result at once")
     use_warmup: bool = _setting("USE_WARMUP", False, _bool, doc="warm up before ready")
-    use_cache_kv_int8: bool = _setting("USE_CACHE_KV_INT8", False, _bool, doc="int8 KV cache")
+    # quantization (docs/quantization.md)
+    quant_type: str = _setting(
+        "QUANT_TYPE",
+        "",
+        _choice(QUANT_TYPES),
+        doc="quantize a bf16/fp16 checkpoint's linear layers at load: weight_only_int8 | weight_only_int4 | fp8 "
+        "(empty: as the checkpoint is; GPTQ/AWQ/FP8 checkpoints are read by their own quantization_config)",
+    )
+    use_cache_kv_int8: bool = _setting("USE_CACHE_KV_INT8", False, _bool, doc="int8 KV cache (= KV_CACHE_DTYPE=int8)")
+    kv_cache_dtype: str = _setting(
+        "KV_CACHE_DTYPE", "auto", _choice(KV_CACHE_DTYPES), doc="KV cache: auto (the model's) | int8 | fp8"
+    )
     check_health_interval: float = _setting("CHECK_HEALTH_INTERVAL", 10.0, _float, doc="engine heartbeat timeout (s)")
     drain_timeout: float = _setting(
         "LLMSERVE_DRAIN_TIMEOUT", 10.0, _float, doc="on SIGTERM: seconds requests in flight may take to finish"
@@ -312,6 +334,8 @@ class Config:
                 f"SPECULATE_MODEL_PATH={self.speculate_model_path!r}: SPECULATE_METHOD={self.speculate_method} "
                 "uses no speculative model (unset it, or choose draft or mtp)"
             )
+        if self.use_cache_kv_int8 and self.kv_cache_dtype == "fp8":
+            errors.append("USE_CACHE_KV_INT8=1 and KV_CACHE_DTYPE=fp8: choose one KV cache format")
         if self.paddle_threads < 0:
             errors.append(f"LLMSERVE_PADDLE_THREADS={self.paddle_threads}: must be >= 0 (0: automatic)")
         if self.torch_kernels not in ("", "ref"):
@@ -323,6 +347,11 @@ class Config:
             errors.append(f"LLMSERVE_DRAIN_TIMEOUT={self.drain_timeout}: must be >= 0")
         if errors:
             raise ConfigError("invalid settings: " + "; ".join(errors))
+
+    @property
+    def kv_cache_quant(self) -> str:
+        """The KV cache's quantized format: "" (the model's dtype), "int8" or "fp8"."""
+        return "int8" if self.use_cache_kv_int8 else ("" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype)
 
     def to_env(self) -> dict[str, str]:
         """Every setting as its environment variable: how a child process gets this exact config."""

@@ -89,6 +89,9 @@ class PaddleRunner(ModelRunner):
             )
         unsupported = [f"MP_NUM={config.mp_num} (tensor parallel)"] if config.mp_num > 1 else []
         unsupported += ["USE_CACHE_KV_INT8=1"] if config.use_cache_kv_int8 else []
+        unsupported += [f"KV_CACHE_DTYPE={config.kv_cache_dtype}"] if config.kv_cache_dtype != "auto" else []
+        # A Paddle export runs its graph's own ops: quantizing it means exporting a quantized graph.
+        unsupported += [f"QUANT_TYPE={config.quant_type}"] if config.quant_type else []
         if unsupported:
             raise ValueError(f"the paddle runner does not support {', '.join(unsupported)}; use the torch runner")
         self.config = config

@@ -23,6 +23,7 @@ import torch
 
 from .inputs import PinnedStaging, StepInputs
 from .kernels.attention import AttnMeta, tile_tokens
+from .kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,7 @@ class DecodeGraphs:
     def __init__(
         self,
         model,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
         max_batch: int,
         max_blocks: int,
         num_sms: int,
@@ -72,7 +73,7 @@ class DecodeGraphs:
         # An MTP module (mtp.MTPHead): each graph gets a second one that runs the module over the
         # step's positions from the first's hidden states and a static buffer of next tokens.
         self.mtp = mtp
-        dev = kv_cache.device
+        dev = kv_cache.data.device
         mb = self.max_batch = max_batch
         decode = [b for b in BUCKETS if b < max_batch] + [max_batch]
         # q -> its batch buckets: decode (q = 1) up to max_batch, verification up to MAX_VERIFY_TOKENS tokens.
@@ -128,7 +129,7 @@ class DecodeGraphs:
 
     def _run_mtp(self, bs: int, q: int) -> torch.Tensor:
         """The MTP module over the graph (q, bs)'s positions: its hidden output and `mtp_ids`."""
-        kv = self.kv_cache[self.model.cfg.num_hidden_layers]
+        kv = self.kv_cache.layer(self.model.cfg.num_hidden_layers)
         return self.mtp.forward(self.mtp_ids[: bs * q], self.hidden[q, bs], self.inputs((q, bs)), kv)
 
     @torch.inference_mode()

@@ -4,8 +4,10 @@ Weights are read from HF safetensors and fused where one matrix product can
 replace several: q/k/v into one projection (with Qwen2's biases), gate/up
 into one. Each layer is: fused residual+RMSNorm, qkv projection, rotary + KV
 cache write, paged attention, output projection, fused residual+RMSNorm,
-gate_up projection, SwiGLU, down projection. Matrix products go to cuBLAS
-(torch.nn.functional.linear); the rest are our kernels (kernels/).
+gate_up projection, SwiGLU, down projection. The projections are `Linear` layers
+whose quantization method (quant/methods.py: dense, weight-only int8/int4, GPTQ, AWQ,
+FP8) the checkpoint or QUANT_TYPE chose; dense ones go to cuBLAS, quantized ones to
+our GEMMs; the rest are our kernels (kernels/). Embedding and LM head stay dense.
 """
 
 from __future__ import annotations
@@ -24,17 +26,19 @@ from .kernels.activation import swiglu
 from .kernels.attention import AttnMeta, paged_attention
 from .kernels.norm import rms_norm
 from .kernels.rotary import rope_and_cache, rope_cos_sin
+from .kv_cache import KVCache, LayerKV
+from .linear import Linear
+from .quant.methods import LinearMethod, load_linear
 
 
 @dataclass
 class LayerWeights:
     in_norm: torch.Tensor
-    qkv: torch.Tensor  # [(H + 2*KVH) * D, hidden]
-    qkv_bias: torch.Tensor | None
-    o: torch.Tensor
+    qkv: Linear  # hidden -> (H + 2*KVH) * D, with Qwen2's biases
+    o: Linear
     post_norm: torch.Tensor
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor
+    gate_up: Linear  # hidden -> 2 * intermediate
+    down: Linear
 
 
 class _Reader:
@@ -61,34 +65,38 @@ class _Reader:
         return name in self.where
 
     def get(self, name: str) -> torch.Tensor:
+        """The tensor on the device, in the model's dtype."""
+        return self.raw(name).to(self.dtype)
+
+    def raw(self, name: str) -> torch.Tensor:
+        """The tensor on the device, in the checkpoint's dtype (quantized weights, their scales)."""
         if name not in self.where:
             raise KeyError(f"weight {name!r} not found in the checkpoint")
-        return self.handles[self.where[name]].get_tensor(name).to(self.device, self.dtype)
-
-    def cat(self, *names: str) -> torch.Tensor:
-        return torch.cat([self.get(n) for n in names], dim=0)
+        return self.handles[self.where[name]].get_tensor(name).to(self.device)
 
 
-def load_layer(r: _Reader, p: str) -> LayerWeights:
+def load_layer(r: _Reader, p: str, method: LinearMethod) -> LayerWeights:
     """One decoder layer's weights under prefix `p` (e.g. "model.layers.3."), q/k/v and gate/up fused."""
-    a = p + "self_attn."
-    bias = None
-    if r.has(a + "q_proj.bias"):
-        bias = r.cat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
+    a, m = p + "self_attn.", p + "mlp."
     return LayerWeights(
         in_norm=r.get(p + "input_layernorm.weight"),
-        qkv=r.cat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-        qkv_bias=bias,
-        o=r.get(a + "o_proj.weight"),
+        qkv=load_linear(method, r, a + "q_proj.", a + "k_proj.", a + "v_proj."),
+        o=load_linear(method, r, a + "o_proj."),
         post_norm=r.get(p + "post_attention_layernorm.weight"),
-        gate_up=r.cat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-        down=r.get(p + "mlp.down_proj.weight"),
+        gate_up=load_linear(method, r, m + "gate_proj.", m + "up_proj."),
+        down=load_linear(method, r, m + "down_proj."),
     )
 
 
 class DecoderModel:
     def __init__(
-        self, cfg: ModelConfig, model_dir: str | Path, device: torch.device, dtype: torch.dtype, max_positions: int
+        self,
+        cfg: ModelConfig,
+        model_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        max_positions: int,
+        method: LinearMethod | None = None,
     ) -> None:
         self.cfg = cfg
         self.device, self.dtype = device, dtype
@@ -98,9 +106,10 @@ class DecoderModel:
             cfg.head_dim,
         )
         self.scale = self.head_dim**-0.5
+        self.method = method or LinearMethod(dtype)
         r = _Reader(Path(model_dir), device, dtype)
         self.embed = r.get("model.embed_tokens.weight")
-        self.layers = [load_layer(r, f"model.layers.{i}.") for i in range(cfg.num_hidden_layers)]
+        self.layers = [load_layer(r, f"model.layers.{i}.", self.method) for i in range(cfg.num_hidden_layers)]
         self.norm = r.get("model.norm.weight")
         tied = cfg.tie_word_embeddings or not r.has("lm_head.weight")
         self.lm_head = self.embed if tied else r.get("lm_head.weight")
@@ -110,13 +119,15 @@ class DecoderModel:
         # rounding we skip shrinks the logit error (docs/gpu.md: 1.21e-2 -> <1e-2 of the exact
         # function on the 8B shape) at no measured speed cost: the extra bytes are activations.
         self.wide = device.type == "cuda" and dtype != torch.float32
+        self.out_dtype = torch.float32 if self.wide else dtype
 
     @property
     def weight_bytes(self) -> int:
         ts = [self.embed, self.norm] + ([] if self.lm_head is self.embed else [self.lm_head])
+        n = sum(t.numel() * t.element_size() for t in ts)
         for lw in self.layers:
-            ts += [t for t in vars(lw).values() if t is not None]
-        return sum(t.numel() * t.element_size() for t in ts)
+            n += sum(v.nbytes if isinstance(v, Linear) else v.numel() * v.element_size() for v in vars(lw).values())
+        return n
 
     def forward(
         self,
@@ -124,10 +135,10 @@ class DecoderModel:
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         meta: AttnMeta,
-        kv_cache: torch.Tensor,
+        kv_cache: KVCache,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V into `kv_cache`
-        ([layers, 2, num_blocks, KVH, block_size, D]; fp16 for a bf16 model, see runner.py)."""
+        (kv_cache.py: fp16 for a bf16 model, or int8 / FP8 with per-token scales)."""
         eps = self.cfg.rms_norm_eps
         h = F.embedding(input_ids, self.embed)
         # The residual stream stays in fp32: in bf16 its rounding, summed over 2 * layers
@@ -137,7 +148,7 @@ class DecoderModel:
         for i, lw in enumerate(self.layers):
             if i > 0:
                 x = rms_norm(h, lw.in_norm, eps, residual)
-            h = self.layer(lw, x, residual, positions, slot_mapping, meta, kv_cache[i])
+            h = self.layer(lw, x, residual, positions, slot_mapping, meta, kv_cache.layer(i))
         return rms_norm(h, self.norm, eps, residual)
 
     def layer(
@@ -148,28 +159,25 @@ class DecoderModel:
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         meta: AttnMeta,
-        kv: torch.Tensor,
+        kv: LayerKV,
     ) -> torch.Tensor:
         """One decoder layer on its normed input `x` [T, hidden]: attention (writing K/V into `kv`,
-        [2, num_blocks, KVH, block_size, D]), `residual += attention output`, then the MLP, whose
-        output it returns (the caller adds it to the residual with the next norm)."""
+        KVCache.layer), `residual += attention output`, then the MLP, whose output it returns (the
+        caller adds it to the residual with the next norm)."""
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         T = x.shape[0]
         # q stays fp32 through rotary into attention; k and v are rounded once, into the (fp16) cache.
-        qkv = self._linear(x, lw.qkv, lw.qkv_bias)
-        rope_and_cache(qkv, positions, slot_mapping, self.cos_sin, kv[0], kv[1], H, KVH)
+        qkv = lw.qkv(x, self.out_dtype)
+        k, v, k_scale, v_scale = kv
+        rope_and_cache(qkv, positions, slot_mapping, self.cos_sin, k, v, H, KVH, k_scale, v_scale)
         q = qkv[:, : H * D].view(T, H, D)
-        attn = paged_attention(q, kv[0], kv[1], meta, self.scale, self.dtype)
-        h = self._linear(attn.view(T, H * D), lw.o)
+        attn = paged_attention(q, k, v, meta, self.scale, self.dtype, k_scale, v_scale)
+        h = lw.o(attn.view(T, H * D), self.out_dtype)
         x = rms_norm(h, lw.post_norm, self.cfg.rms_norm_eps, residual)
-        return self._linear(swiglu(self._linear(x, lw.gate_up), self.dtype), lw.down)
-
-    def _linear(self, a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """a @ w.T (+ bias); with `wide`, written in fp32 by cuBLAS instead of rounded to bf16."""
-        if not self.wide:
-            return F.linear(a, w, bias)
-        out = torch.mm(a, w.t(), torch.float32)
-        return out if bias is None else out.add_(bias)
+        return lw.down(swiglu(lw.gate_up(x, self.out_dtype), self.dtype), self.out_dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self._linear(hidden, self.lm_head).float()
+        """With `wide`, written in fp32 by cuBLAS instead of rounded to bf16."""
+        if not self.wide:
+            return F.linear(hidden, self.lm_head).float()
+        return torch.mm(hidden, self.lm_head.t(), torch.float32)

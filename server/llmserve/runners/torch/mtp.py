@@ -50,14 +50,17 @@ from llmserve.runners.base import SeqChunk, StepBatch
 
 from .inputs import FedChunk, StepInputs, host_arrays
 from .kernels.norm import rms_norm
+from .kv_cache import LayerKV
+from .linear import Linear
 from .model import DecoderModel, LayerWeights, _Reader, load_layer
+from .quant.methods import load_linear
 
 
 @dataclass
 class MTPWeights:
     enorm: torch.Tensor
     hnorm: torch.Tensor
-    eh_proj: torch.Tensor  # [hidden, 2 * hidden]: embedding half first
+    eh_proj: Linear  # 2 * hidden -> hidden: embedding half first
     layer: LayerWeights
     norm: torch.Tensor  # shared_head.norm
 
@@ -102,22 +105,23 @@ class MTPHead:
         self.upload = upload  # Uploader.upload: host int32 arrays to the device through pinned memory
         d, p = find_mtp(model_dir, config, model.cfg.hidden_size)
         r = _Reader(d, model.device, model.dtype)
+        method = model.method  # the module is quantized as the trunk is (a dense tensor stays dense)
         self.w = MTPWeights(
-            r.get(p + "enorm.weight"), r.get(p + "hnorm.weight"), r.get(p + "eh_proj.weight"), load_layer(r, p),
-            r.get(p + "shared_head.norm.weight"),
+            r.get(p + "enorm.weight"), r.get(p + "hnorm.weight"), load_linear(method, r, p + "eh_proj."),
+            load_layer(r, p, method), r.get(p + "shared_head.norm.weight"),
         )  # fmt: skip
         # Each request's y at its last accepted position: row self.rows[req_id] of `state`.
         self.state = torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
         self.rows: dict[str, int] = {}
         self._free: list[int] = []
 
-    def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, x: StepInputs, kv: torch.Tensor) -> torch.Tensor:
+    def forward(self, next_ids: torch.Tensor, hidden: torch.Tensor, x: StepInputs, kv: LayerKV) -> torch.Tensor:
         """y [T, hidden] (after shared_head.norm) at positions `x.positions`, given the trunk's (or the
         chain's) hidden state there and the next token; writes the module's K/V into `kv`."""
         m, w, eps = self.model, self.w, self.model.cfg.rms_norm_eps
         e = F.embedding(next_ids, m.embed) * (x.positions != 0)[:, None].to(m.dtype)
         cat = torch.cat([rms_norm(e, w.enorm, eps), rms_norm(hidden.to(m.dtype), w.hnorm, eps)], dim=-1)
-        h = m._linear(cat, w.eh_proj)
+        h = w.eh_proj(cat, m.out_dtype)
         residual = h.float()
         out = m.layer(w.layer, rms_norm(h, w.layer.in_norm, eps), residual, x.positions, x.slot_mapping, x.meta, kv)
         return rms_norm(out, w.norm, eps, residual)
@@ -148,7 +152,7 @@ class MTPHead:
         layout: np.ndarray | None,
         tokens: torch.Tensor,
         num_new: torch.Tensor | None,
-        kv: torch.Tensor,
+        kv: LayerKV,
         run=None,
     ) -> None:
         """After a target step (module doc): the module's K/V at the step's positions, and each sampled
@@ -209,7 +213,7 @@ class MTPProposer(Proposer):
         y = head.state[rows.long()]
         tok = runner.model.logits(y).argmax(-1)
         drafts = [tok]
-        kv = runner.kv_cache[runner.model_config.num_hidden_layers]
+        kv = runner.kv_cache.layer(runner.model_config.num_hidden_layers)
         for s in range(1, max(ks)):
             act = [i for i, k in enumerate(ks) if k > s]
             # Position of draft s's input: the chunk starts at the request's last token (draft 0's).

@@ -25,8 +25,10 @@ from llmserve.runners.base import ModelRunner, SeqChunk, StepBatch, StepResult, 
 from .cuda_graphs import DecodeGraphs, decode_splits, verify_arrays
 from .inputs import StepInputs, Uploader, host_arrays, work_items
 from .kernels.attention import AttnMeta, tile_tokens
+from .kv_cache import kv_spec_for
 from .model import DecoderModel
 from .mtp import MTPHead
+from .quant.methods import method_for
 from .sampler import DeviceSampler
 
 log = logging.getLogger(__name__)
@@ -72,18 +74,20 @@ class TorchRunner(ModelRunner):
         self.device = pick_device(config)
         cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if cuda else torch.float32
-        # The KV cache of a bf16 model is fp16: the same bytes with 3 more bits of mantissa, so
-        # attention's tensor-core products run in fp16 with no conversion in the loop (see
-        # kernels/attention.py; K/V saturate at fp16's range when written).
-        self.kv_dtype = torch.float16 if self.dtype == torch.bfloat16 else self.dtype
         self.block_size = config.block_size
         self.max_model_len = min(config.max_seq_len, mc.max_position_embeddings)
         self.max_blocks_per_seq = -(-self.max_model_len // self.block_size)
         self.eos_token_ids = frozenset(mc.eos_token_ids)
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
-        self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1)
-        log.info("loaded %.2f GB of weights in %.1f s", self.model.weight_bytes / 1e9, time.perf_counter() - t0)
+        method = method_for(model_dir, config, self.device, self.dtype)
+        self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1, method)
+        log.info(
+            "loaded %.2f GB of weights (%s) in %.1f s",
+            self.model.weight_bytes / 1e9,
+            method.name,
+            time.perf_counter() - t0,
+        )
         self.uploader = Uploader(self.device)
         # SPECULATE_METHOD=mtp: the checkpoint's MTP module; its K/V are one more layer of the cache.
         self.mtp = None
@@ -103,11 +107,15 @@ class TorchRunner(ModelRunner):
         # batch, and with speculation at least 512 (verification samples k + 1 rows a request).
         spec = config.speculate_method != "none"
         self.max_sampled_rows = max(min(self.max_batch, 512), 512 if spec else 0) if cuda else 0
-        self.num_kv_blocks = self._size_kv_cache()
-        KVH, D = mc.num_key_value_heads, mc.head_dim
-        self.kv_cache = torch.zeros(
-            self._kv_layers, 2, self.num_kv_blocks, KVH, self.block_size, D, dtype=self.kv_dtype, device=self.device
+        # The KV cache of a bf16 model is fp16 (the same bytes with 3 more bits of mantissa, so that
+        # attention's tensor-core products need no conversion: kernels/attention.py), or int8 / FP8
+        # with a scale per token and head (USE_CACHE_KV_INT8, KV_CACHE_DTYPE): kv_cache.py.
+        self.kv_spec = kv_spec_for(
+            config.kv_cache_quant, self.dtype, self._kv_layers, mc.num_key_value_heads, self.block_size, mc.head_dim
         )
+        self.kv_dtype = self.kv_spec.dtype
+        self.num_kv_blocks = self._size_kv_cache()
+        self.kv_cache = self.kv_spec.allocate(self.num_kv_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
         if cuda and config.cuda_graphs:
             drafts = config.speculate_max_draft_tokens if config.speculate_method != "none" else 0
@@ -123,9 +131,7 @@ class TorchRunner(ModelRunner):
         return self.model_config.num_hidden_layers + (self.mtp is not None)
 
     def _block_bytes(self) -> int:
-        mc = self.model_config
-        item = torch.tensor([], dtype=self.kv_dtype).element_size()
-        return 2 * self._kv_layers * mc.num_key_value_heads * self.block_size * mc.head_dim * item
+        return self.kv_spec.block_bytes
 
     def _size_kv_cache(self) -> int:
         fixed = self.config.num_kv_blocks_from_block_bs
@@ -161,16 +167,7 @@ class TorchRunner(ModelRunner):
     def _warmup_prefill(self, num_tokens: int) -> None:
         mc = self.model_config
         nb = -(-num_tokens // self.block_size)
-        kv = torch.zeros(
-            mc.num_hidden_layers,
-            2,
-            nb,
-            mc.num_key_value_heads,
-            self.block_size,
-            mc.head_dim,
-            dtype=self.kv_dtype,
-            device=self.device,
-        )
+        kv = self.kv_spec.allocate(nb, self.device)
         dev = self.device
         i32 = dict(dtype=torch.int32, device=dev)
         bt = torch.arange(nb, **i32)[None, :]
@@ -331,7 +328,7 @@ class TorchRunner(ModelRunner):
             tokens, lps = logits.new_zeros(0, dtype=torch.long), None
         self._last_tokens, self._last_rows = tokens, {r.req_id: i for i, r in enumerate(reqs)}
         if self.mtp is not None:  # the MTP module's K/V at this step's positions (mtp.py)
-            kv = self.kv_cache[self.model_config.num_hidden_layers]
+            kv = self.kv_cache.layer(self.model_config.num_hidden_layers)
             run = None
             if x is None:  # a replayed graph: its inputs, and the module's own graph when captured
                 x = self.graphs.inputs()

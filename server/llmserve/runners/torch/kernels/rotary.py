@@ -8,9 +8,27 @@ rotate-half convention: out[i] = x[i]*cos - x[i+D/2]*sin, out[i+D/2] = x[i+D/2]*
 Over an fp16 cache (a bf16 model's, see runner.py) q, k and v saturate at
 fp16's +-65504, far beyond any real activation, so that the attention's fp16
 products never meet an inf.
+
+Quantized caches (int8, or fp8 E4M3 `float8_e4m3fn`) come with scale tensors
+k_scale, v_scale, float32 `[num_blocks, KVH, block_size]`: one scale per token
+and KV head, set when the token is written (no calibration; an outlier head or
+token costs only its own precision). With a = max(absmax of the head's vector
+(k after rotation), 2^-100) and QMAX 127 (int8) or 448 (fp8): scale = a / QMAX,
+stored = round(clamp(x * (QMAX / a), +-QMAX)), rounding half to even (to an
+integer for int8, to the nearest E4M3 value for fp8), both divisions correctly
+rounded, so kernel and reference agree bit for bit where their rotated k
+does. Dequantized: stored * scale; a zero vector stores zeros (its scale is
+the tiny 2^-100 / QMAX) and comes back as exact zeros. Error per element, up
+to fp32 rounding of x * (QMAX / a): int8 |x - x^| <= scale / 2; fp8 |x - x^|
+<= 2^-4 |x| while |x| >= 2^-6 scale (E4M3's normal range), 2^-10 scale below,
+so <= 16 scale = a / 28 < 2^-4 a overall. q is not quantized; it saturates at
+fp16's range as over an fp16 cache, since the attention rounds it to fp16 for
+its products with the dequantized tiles.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import torch
@@ -20,6 +38,7 @@ from . import next_pow2, use_triton
 try:
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -34,18 +53,74 @@ def rope_cos_sin(inv_freq: np.ndarray, max_pos: int, device: torch.device) -> to
 F16_MAX = 65504.0
 
 
+QUANT_MAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}  # quantized cache dtypes: largest stored magnitude
+AMAX_FLOOR = 2.0**-100  # a vector's absmax, floored: a zero vector gets a tiny scale and dequantizes to 0
+
+
 def saturation(cache_dtype: torch.dtype) -> float:
-    """Bound on q, k and v: fp16's largest value over an fp16 cache (see the docstring), else none (0)."""
-    return F16_MAX if cache_dtype == torch.float16 else 0.0
+    """Bound on q, k and v: fp16's largest value over an fp16 cache (see the docstring), else none (0).
+    Over a quantized cache it bounds q only (the attention's products are in fp16 there too)."""
+    return F16_MAX if cache_dtype == torch.float16 or cache_dtype in QUANT_MAX else 0.0
+
+
+def quantize_ref(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D] -> (values [..., D] in `dtype`, scales [...] float32), one absmax scale per vector."""
+    qmax = QUANT_MAX[dtype]
+    x = x.float()
+    a = x.abs().amax(-1).clamp_min(AMAX_FLOOR)
+    y = (x * (qmax / a)[..., None]).clamp(-qmax, qmax)
+    if dtype == torch.int8:
+        y = y.round()  # half to even
+    return y.to(dtype), a / qmax  # fp8: the conversion rounds half to even
 
 
 if triton is not None:
+    _FLOOR = tl.constexpr(AMAX_FLOOR)
 
     @triton.jit
     def _sat(x, LIMIT: tl.constexpr):
         if LIMIT > 0:
             x = tl.clamp(x, -LIMIT, LIMIT)
         return x
+
+    @triton.jit
+    def _rint(y, INTERPRET: tl.constexpr):
+        """Round half to even. The interpreter has no libdevice: there, by floor (exact in numpy)."""
+        if INTERPRET:
+            f = tl.floor(y)
+            d = y - f
+            odd = (f - 2.0 * tl.floor(f * 0.5)) == 1.0
+            r = f + tl.where((d > 0.5) | ((d == 0.5) & odd), 1.0, 0.0)
+            r = tl.where(r == 0.0, y * 0.0, r)  # -0.0 for y < 0, as rint
+        else:
+            r = libdevice.rint(y)
+        return r
+
+    @triton.jit
+    def _to_grid(y, QMAX: tl.constexpr, INTERPRET: tl.constexpr):
+        """y clamped to +-QMAX and, for int8, rounded half to even. For fp8 the conversion rounds (half to
+        even, cvt.rn.satfinite on GPUs), but the interpreter's misrounds (7.75 -> 4): there y is put on
+        E4M3's grid here, exactly."""
+        y = tl.clamp(y, -QMAX, QMAX)
+        if QMAX == 127.0:
+            y = _rint(y, INTERPRET)
+        elif INTERPRET:
+            e = tl.maximum(((y.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)  # binade; subnormals at -6
+            ulp = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 3 mantissa bits
+            y = _rint(y / ulp, INTERPRET) * ulp
+        return y
+
+    @triton.jit
+    def _quant_store(dst, sdst, x1, x2, mask, HALF: tl.constexpr, QMAX: tl.constexpr, INTERPRET: tl.constexpr):
+        """Quantizes rows [x1 | x2] ([KVH_PAD, HALF] each, float32) with one scale per row (see the
+        docstring); stores the values at `dst` (+HALF) and the scales at `sdst` ([KVH_PAD, 1])."""
+        a = tl.maximum(tl.maximum(tl.max(tl.abs(x1), axis=1), tl.max(tl.abs(x2), axis=1)), _FLOOR)
+        qmax = tl.full(a.shape, QMAX, tl.float32)
+        inv = tl.math.div_rn(qmax, a)[:, None]
+        tl.store(sdst, tl.math.div_rn(a, qmax)[:, None], mask=mask)
+        ty = dst.dtype.element_ty
+        tl.store(dst, _to_grid(x1 * inv, QMAX, INTERPRET).to(ty), mask=mask)
+        tl.store(dst + HALF, _to_grid(x2 * inv, QMAX, INTERPRET).to(ty), mask=mask)
 
     @triton.jit
     def _rope_cache_kernel(
@@ -55,9 +130,13 @@ if triton is not None:
         cs_ptr,
         k_cache_ptr,
         v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         stride_t,
         stride_cb,
         stride_ch,
+        stride_sb,
+        stride_sh,
         num_heads,
         num_kv_heads,
         HALF: tl.constexpr,
@@ -65,6 +144,8 @@ if triton is not None:
         KVH_PAD: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         LIMIT: tl.constexpr,
+        QMAX: tl.constexpr,  # 0: an fp16/bf16/fp32 cache; 127 int8, 448 fp8 (quantized, with scales)
+        INTERPRET: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         pos = tl.load(pos_ptr + t).to(tl.int64)
@@ -91,14 +172,24 @@ if triton is not None:
             pk = row + num_heads * D + kh * D + i[None, :]
             k1 = tl.load(pk, mask=km, other=0.0).to(tl.float32)
             k2 = tl.load(pk + HALF, mask=km, other=0.0).to(tl.float32)
-            ty = k_cache_ptr.dtype.element_ty
-            tl.store(k_cache_ptr + dst, _sat(k1 * cos - k2 * sin, LIMIT).to(ty), mask=km)
-            tl.store(k_cache_ptr + dst + HALF, _sat(k2 * cos + k1 * sin, LIMIT).to(ty), mask=km)
-            pv = pk + num_kv_heads * D
-            v1 = tl.load(pv, mask=km, other=0.0).to(tl.float32)
-            v2 = tl.load(pv + HALF, mask=km, other=0.0).to(tl.float32)
-            tl.store(v_cache_ptr + dst, _sat(v1, LIMIT).to(ty), mask=km)
-            tl.store(v_cache_ptr + dst + HALF, _sat(v2, LIMIT).to(ty), mask=km)
+            if QMAX > 0:
+                sdst = blk * stride_sb + kh * stride_sh + off
+                k1r = k1 * cos - k2 * sin
+                k2r = k2 * cos + k1 * sin
+                _quant_store(k_cache_ptr + dst, k_scale_ptr + sdst, k1r, k2r, km, HALF, QMAX, INTERPRET)
+                pv = pk + num_kv_heads * D
+                v1 = tl.load(pv, mask=km, other=0.0).to(tl.float32)
+                v2 = tl.load(pv + HALF, mask=km, other=0.0).to(tl.float32)
+                _quant_store(v_cache_ptr + dst, v_scale_ptr + sdst, v1, v2, km, HALF, QMAX, INTERPRET)
+            else:
+                ty = k_cache_ptr.dtype.element_ty
+                tl.store(k_cache_ptr + dst, _sat(k1 * cos - k2 * sin, LIMIT).to(ty), mask=km)
+                tl.store(k_cache_ptr + dst + HALF, _sat(k2 * cos + k1 * sin, LIMIT).to(ty), mask=km)
+                pv = pk + num_kv_heads * D
+                v1 = tl.load(pv, mask=km, other=0.0).to(tl.float32)
+                v2 = tl.load(pv + HALF, mask=km, other=0.0).to(tl.float32)
+                tl.store(v_cache_ptr + dst, _sat(v1, LIMIT).to(ty), mask=km)
+                tl.store(v_cache_ptr + dst + HALF, _sat(v2, LIMIT).to(ty), mask=km)
 
 
 def _rotate(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
@@ -109,7 +200,9 @@ def _rotate(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def rope_and_cache_ref(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, num_heads, num_kv_heads):
+def rope_and_cache_ref(
+    qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, num_heads, num_kv_heads, k_scale=None, v_scale=None
+):
     T = qkv.shape[0]
     D = k_cache.shape[-1]
     bs = k_cache.shape[2]
@@ -126,16 +219,39 @@ def rope_and_cache_ref(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, 
     keep = slot_mapping >= 0
     slots = slot_mapping[keep].long()
     blk, off = slots // bs, slots % bs
-    k_cache[blk, :, off] = clip(_rotate(k[keep], cs[keep])).to(k_cache.dtype)
-    v_cache[blk, :, off] = clip(v[keep].float()).to(v_cache.dtype)
+    if k_scale is None:
+        k_cache[blk, :, off] = clip(_rotate(k[keep], cs[keep])).to(k_cache.dtype)
+        v_cache[blk, :, off] = clip(v[keep].float()).to(v_cache.dtype)
+        return
+    k_cache[blk, :, off], k_scale[blk, :, off] = quantize_ref(_rotate(k[keep], cs[keep]), k_cache.dtype)
+    v_cache[blk, :, off], v_scale[blk, :, off] = quantize_ref(v[keep], v_cache.dtype)
 
 
-def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, num_heads: int, num_kv_heads: int) -> None:
-    """Rotates q in place inside `qkv`; writes rotated k and v into the caches."""
+def rope_and_cache(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos_sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    """Rotates q in place inside `qkv`; writes rotated k and v into the caches (quantized, with their
+    scales into `k_scale`/`v_scale`, when the caches are int8 or fp8)."""
+    quant = QUANT_MAX.get(k_cache.dtype, 0.0)
+    assert (k_scale is not None) == (v_scale is not None) == (quant > 0), "scales go with an int8/fp8 cache"
+    args = (qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, num_heads, num_kv_heads, k_scale, v_scale)
     if not use_triton(qkv):
-        return rope_and_cache_ref(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, num_heads, num_kv_heads)
+        return rope_and_cache_ref(*args)
     D = k_cache.shape[-1]
     assert qkv.stride(1) == 1 and k_cache.is_contiguous() and v_cache.is_contiguous()
+    if quant:
+        assert k_scale.is_contiguous() and v_scale.is_contiguous() and k_scale.shape == k_cache.shape[:3]
+    else:
+        k_scale = v_scale = k_cache  # not read
     _rope_cache_kernel[(qkv.shape[0],)](
         qkv,
         positions,
@@ -143,9 +259,13 @@ def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, num_
         cos_sin,
         k_cache,
         v_cache,
+        k_scale,
+        v_scale,
         qkv.stride(0),
         k_cache.stride(0),
         k_cache.stride(1),
+        k_scale.stride(0) if quant else 0,
+        k_scale.stride(1) if quant else 0,
         num_heads,
         num_kv_heads,
         HALF=D // 2,
@@ -153,5 +273,7 @@ def rope_and_cache(qkv, positions, slot_mapping, cos_sin, k_cache, v_cache, num_
         KVH_PAD=next_pow2(num_kv_heads),
         BLOCK_SIZE=k_cache.shape[2],
         LIMIT=saturation(k_cache.dtype),
+        QMAX=quant,
+        INTERPRET=os.environ.get("TRITON_INTERPRET") == "1",
         num_warps=4,
     )

@@ -1,0 +1,60 @@
+"""Linear layers: y = x @ W.T (+ bias), with W held the way its quantization method runs it.
+
+A layer is loaded from one or more checkpoint projections that read the same input (q/k/v, or
+gate/up), fused along the output dimension into one matrix product where the method allows it;
+where it does not (GPTQ act-order parts with different orders, FP8 blocks that would straddle two
+projections) the parts run one after another and their outputs are concatenated. How a method
+reads, converts and multiplies its tensors is its own business (quant/methods.py): adding a format
+is adding a method, not editing the model.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .quant.methods import LinearMethod
+
+
+class Linear:
+    def __init__(
+        self,
+        method: LinearMethod,
+        w: dict[str, torch.Tensor],
+        bias: torch.Tensor | None = None,
+        parts: list[Linear] | None = None,
+    ) -> None:
+        self.method = method
+        self.w = w  # the method's canonical tensors (quant/__init__.py); "perm": an input permutation
+        self.bias = bias
+        self.parts = parts  # set instead of `w` when the projections could not be fused
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        if self.parts is not None:
+            return torch.cat([p(x, out_dtype) for p in self.parts], dim=-1)
+        perm = self.w.get("perm")
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        return self.method.apply(self.w, x, self.bias, out_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        if self.parts is not None:
+            return sum(p.nbytes for p in self.parts)
+        ts = list(self.w.values()) + ([self.bias] if self.bias is not None else [])
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    @property
+    def dense_weight(self) -> torch.Tensor:
+        """W [N, K] in fp32, dequantized (tests and the reference path)."""
+        if self.parts is not None:
+            return torch.cat([p.dense_weight for p in self.parts], dim=0)
+        w = self.method.dequantize(self.w)
+        perm = self.w.get("perm")
+        if perm is not None:  # W_canon[:, j] multiplies x[:, perm[j]]
+            out = torch.empty_like(w)
+            out[:, perm] = w
+            w = out
+        return w

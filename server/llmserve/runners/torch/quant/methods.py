@@ -1,0 +1,233 @@
+"""Linear methods: how each weight format is read from a checkpoint and multiplied.
+
+`method_for` picks one per model: the checkpoint's own `quantization_config` (GPTQ, AWQ, FP8) or
+QUANT_TYPE (weight-only int8/int4 or FP8, quantized at load from a bf16/fp16 checkpoint), else
+dense. A method reads one projection (`read`), says how several fuse (`n_dim`, `fusable`) and runs
+them (`apply`, through kernels/quant_gemm.py and kernels/fp8_gemm.py: Triton on CUDA, the torch
+reference on CPU). A projection the checkpoint left unquantized (`modules_to_not_convert`, or an
+FP8 checkpoint's bf16 layers) is read by the dense method whatever the model's method is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from llmserve.config import Config, ConfigError
+
+from ..kernels.fp8_gemm import fp8_linear, fp8_path
+from ..kernels.quant_gemm import w4a16_linear, w8a16_linear
+from ..linear import Linear
+from . import formats
+
+if TYPE_CHECKING:
+    from ..model import _Reader
+
+log = logging.getLogger(__name__)
+
+GROUP = 128  # online int4: weights per scale and zero point along K
+
+
+class LinearMethod:
+    """Dense weights in the model's dtype (no quantization)."""
+
+    name = "none"
+    n_dim: dict[str, int] = {"weight": 0}  # the output dimension of each canonical tensor
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        self.dtype = dtype
+        self.dense = self if type(self) is LinearMethod else LinearMethod(dtype)
+
+    def read(self, r: _Reader, p: str) -> Linear:
+        """The projection whose tensors are named `p` + "weight" etc."""
+        return Linear(self.dense, {"weight": r.get(p + "weight")}, self._bias(r, p))
+
+    def _bias(self, r: _Reader, p: str) -> torch.Tensor | None:
+        return r.get(p + "bias") if r.has(p + "bias") else None
+
+    def fusable(self, parts: list[dict[str, torch.Tensor]]) -> bool:
+        return True
+
+    def apply(
+        self, w: dict[str, torch.Tensor], x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
+    ) -> torch.Tensor:
+        W = w["weight"]
+        if out_dtype == x.dtype or not x.is_cuda:
+            return F.linear(x, W, bias).to(out_dtype)
+        out = torch.mm(x, W.t(), out_dtype)  # cuBLAS writes fp32 (model.py: `wide`)
+        return out if bias is None else out.add_(bias)
+
+    def dequantize(self, w: dict[str, torch.Tensor]) -> torch.Tensor:
+        return w["weight"].float()
+
+
+class W8(LinearMethod):
+    """Weight-only int8, per output channel; quantized at load (QUANT_TYPE=weight_only_int8)."""
+
+    name = "weight_only_int8"
+    n_dim = {"qweight": 0, "scale": 0}
+
+    def read(self, r: _Reader, p: str) -> Linear:
+        qweight, scale = formats.quantize_w8(r.raw(p + "weight").float())
+        return Linear(self, {"qweight": qweight, "scale": scale}, self._bias(r, p))
+
+    def apply(self, w, x, bias, out_dtype):
+        return w8a16_linear(x, w["qweight"], w["scale"], bias, out_dtype)
+
+    def dequantize(self, w):
+        return formats.dequantize_w8(w["qweight"], w["scale"])
+
+
+class W4(LinearMethod):
+    """4-bit weights, group-wise with zero points along K, in GPTQ's packing (quant/__init__.py):
+    quantized at load (QUANT_TYPE=weight_only_int4, group 128) or read from GPTQ / AWQ checkpoints."""
+
+    name = "weight_only_int4"
+    n_dim = {"qweight": 1, "scales": 1, "zeros": 1}
+
+    def __init__(self, dtype: torch.dtype, group_size: int = GROUP, spec=None) -> None:
+        super().__init__(dtype)
+        self.group_size, self.spec = group_size, spec
+        if spec is not None:
+            self.name = spec.method
+
+    def read(self, r: _Reader, p: str) -> Linear:
+        if self.spec is None:
+            W = r.raw(p + "weight").float()
+            if W.shape[1] % self.group_size:
+                raise ConfigError(
+                    f"QUANT_TYPE=weight_only_int4: {p}weight has {W.shape[1]} inputs, not a multiple of the "
+                    f"group size {self.group_size}; use weight_only_int8"
+                )
+            q, s, z = formats.quantize_w4(W, self.group_size)
+            return Linear(self, {"qweight": q, "scales": s, "zeros": z}, self._bias(r, p))
+        if not r.has(p + "qweight"):  # left unquantized by the tool
+            return self.dense.read(r, p)
+        s = self.spec
+        if s.method == "gptq":
+            g_idx = r.raw(p + "g_idx") if r.has(p + "g_idx") else None
+            q, sc, z, perm = formats.gptq_to_canonical(
+                r.raw(p + "qweight"), r.raw(p + "qzeros"), r.raw(p + "scales"), g_idx, s.group_size, s.desc_act,
+                s.sym, s.v2,
+            )  # fmt: skip
+        else:  # awq
+            q, sc, z = formats.awq_to_canonical(
+                r.raw(p + "qweight"), r.raw(p + "qzeros"), r.raw(p + "scales"), s.group_size
+            )
+            perm = None
+        w = {"qweight": q, "scales": sc, "zeros": z}
+        if perm is not None:
+            w["perm"] = perm
+        return Linear(self, w, self._bias(r, p))
+
+    @property
+    def _group(self) -> int:
+        return self.group_size
+
+    def fusable(self, parts):
+        perms = [p.get("perm") for p in parts]
+        if all(q is None for q in perms):
+            return True
+        return all(q is not None and torch.equal(q, perms[0]) for q in perms)
+
+    def apply(self, w, x, bias, out_dtype):
+        G = w["qweight"].shape[0] * 8 // w["scales"].shape[0]
+        return w4a16_linear(x, w["qweight"], w["scales"], w["zeros"], G, bias, out_dtype)
+
+    def dequantize(self, w):
+        G = w["qweight"].shape[0] * 8 // w["scales"].shape[0]
+        return formats.dequantize_w4(w["qweight"], w["scales"], w["zeros"], G)
+
+
+class FP8(LinearMethod):
+    """E4M3 weights with per-channel or 128 x 128 block scales: FP8 tensor-core GEMMs with per-token
+    activation scales on sm_89+, a dequantizing weight-only GEMM on older GPUs, the reference on CPU."""
+
+    name = "fp8"
+    n_dim = {"weight": 0, "scale": 0}
+
+    def __init__(self, dtype: torch.dtype, block: int | None = None, spec=None) -> None:
+        super().__init__(dtype)
+        self.block, self.spec = block, spec
+        if spec is not None:
+            self.name = spec.method
+
+    def read(self, r: _Reader, p: str) -> Linear:
+        if self.spec is None:  # QUANT_TYPE=fp8: per channel, at load
+            weight, scale = formats.quantize_fp8_channel(r.raw(p + "weight").float())
+        else:
+            weight = r.raw(p + "weight")
+            if weight.dtype != torch.float8_e4m3fn:  # left in bf16 by the tool
+                return self.dense.read(r, p)
+            if self.block:
+                scale = r.raw(p + "weight_scale_inv").float()
+            else:
+                scale = r.raw(p + "weight_scale").float().reshape(-1)
+        return Linear(self, {"weight": weight, "scale": scale}, self._bias(r, p))
+
+    def fusable(self, parts):  # a block of scales must not span two projections
+        return not self.block or all(p["weight"].shape[0] % self.block == 0 for p in parts[:-1])
+
+    def apply(self, w, x, bias, out_dtype):
+        return fp8_linear(x, w["weight"], w["scale"], self.block, bias, out_dtype)
+
+    def dequantize(self, w):
+        return formats.dequantize_fp8(w["weight"], w["scale"], self.block)
+
+
+def load_linear(method: LinearMethod, r: _Reader, *prefixes: str) -> Linear:
+    """One layer over the projections named by `prefixes` (e.g. q_proj., k_proj., v_proj.), fused
+    along the output dimension where the method allows it."""
+    parts = [method.read(r, p) for p in prefixes]
+    if len(parts) == 1:
+        return parts[0]
+    m = parts[0].method
+    if all(p.method is m for p in parts) and m.fusable([p.w for p in parts]):
+        w = {k: torch.cat([p.w[k] for p in parts], dim=m.n_dim[k]) for k in m.n_dim}
+        if "perm" in parts[0].w:
+            w["perm"] = parts[0].w["perm"]
+        biases = [p.bias for p in parts]
+        bias = None if all(b is None for b in biases) else torch.cat([b for b in biases if b is not None])
+        if bias is not None and any(b is None for b in biases):
+            raise ValueError(f"{prefixes}: some of these projections have a bias and some do not")
+        return Linear(m, w, bias)
+    return Linear(m, {}, parts=parts)
+
+
+def method_for(model_dir: str | Path, config: Config, device: torch.device, dtype: torch.dtype) -> LinearMethod:
+    """The model's linear method (module doc). ConfigError, naming the setting or the checkpoint's
+    `quantization_config`, for a format this build cannot run."""
+    cfg_file = Path(model_dir) / "config.json"
+    raw = json.loads(cfg_file.read_text()).get("quantization_config") if cfg_file.is_file() else None
+    spec = formats.parse_quantization_config(raw)
+    if spec is not None and config.quant_type:
+        raise ConfigError(
+            f"QUANT_TYPE={config.quant_type}: the checkpoint in {model_dir} is already quantized "
+            f"({spec.method}, from its quantization_config); unset QUANT_TYPE to serve it as it is"
+        )
+    kind = config.quant_type or (spec.method if spec else "")
+    if kind in ("fp8", "fp8_block", "fp8_channel"):
+        path = fp8_path(device)
+        log.info(
+            "FP8 weights: %s GEMMs on %s",
+            {"w8a8": "FP8 tensor-core", "weight_only": "dequantizing"}.get(path, "reference"),
+            device,
+        )
+    if kind == "":
+        return LinearMethod(dtype)
+    if kind == "weight_only_int8":
+        return W8(dtype)
+    if kind == "weight_only_int4":
+        return W4(dtype)
+    if kind in ("gptq", "awq"):
+        return W4(dtype, spec.group_size, spec)
+    if kind == "fp8":
+        return FP8(dtype)
+    if kind == "fp8_block":
+        return FP8(dtype, spec.weight_block_size[0], spec)
+    return FP8(dtype, None, spec)  # fp8_channel
