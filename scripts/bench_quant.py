@@ -7,8 +7,8 @@
             the context, at the copy bandwidth measured in the same run), output tok/s at batch 64
             and 256 (prompt 256, 128 new tokens, greedy) against bf16. Then bf16 weights with each KV
             cache dtype: how many 8K-token sequences fit, and the batch-256 decode step at 1K context.
-  fidelity  (CPU or GPU) a trained checkpoint (the demo model by default) as bf16/fp32 and in each
-            format: perplexity of 64 held-out stdlib windows of 512 tokens (teacher forcing, through
+  fidelity  (CPU or GPU) a trained checkpoint (the demo model by default) unquantized (bf16 on a GPU,
+            fp32 on a CPU), in each weight format and with each KV cache dtype: perplexity of 64 held-out stdlib windows of 512 tokens (teacher forcing, through
             prompt logprobs), and greedy agreement with the unquantized model over 256 new tokens for
             64 prompts of 64 tokens (tokens equal position by position, and the mean common prefix).
 
@@ -134,13 +134,14 @@ def fidelity(out: str, model: str, device: str, corpus: str) -> None:
     from tests.quant_checkpoints import write_gptq
 
     R["model"], R["device"] = model, device
+    R["torch"] = torch.__version__
     tok = load_tokenizer(model)
     windows = heldout_prompts(tok, 64, 512, corpus, seed=1)
     prompts = [w[:64] for w in heldout_prompts(tok, 64, 64, corpus, seed=2)]
     gptq_dir = Path(tempfile.mkdtemp()) / "gptq"
     write_gptq(Path(model), gptq_dir, desc_act=True)
     variants = {
-        "bf16": (model, {}), "int8": (model, dict(quant_type="weight_only_int8")),
+        "unquantized": (model, {}), "int8": (model, dict(quant_type="weight_only_int8")),
         "int4": (model, dict(quant_type="weight_only_int4")), "gptq_int4": (str(gptq_dir), {}),
         "fp8": (model, dict(quant_type="fp8")), "kv_int8": (model, dict(kv_cache_dtype="int8")),
         "kv_fp8": (model, dict(kv_cache_dtype="fp8")),
@@ -164,7 +165,7 @@ def fidelity(out: str, model: str, device: str, corpus: str) -> None:
         same = [sum(a == b for a, b in zip(g, r)) / len(r) for g, r in zip(gen, ref_tokens)]
         prefix = [next((i for i, (a, b) in enumerate(zip(g, r)) if a != b), len(r)) for g, r in zip(gen, ref_tokens)]
         row |= dict(greedy_same_position=statistics.fmean(same), greedy_common_prefix=statistics.fmean(prefix))
-        row["perplexity_vs_bf16"] = row["perplexity"] / rows["bf16"]["perplexity"] if rows else 1.0
+        row["perplexity_vs_unquantized"] = row["perplexity"] / rows["unquantized"]["perplexity"] if rows else 1.0
         rows[name] = row
         print(name, json.dumps(row), flush=True)
         save(out)

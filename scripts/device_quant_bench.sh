@@ -21,7 +21,7 @@ fi
 if [[ $PARTS == *gemm* ]]; then
   timeout 300 python scripts/bench_quant_gemm.py --out "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1
   echo "gemm rc $?"; tail -40 "$OUT/gemm.log"
-  timeout 120 python -m llmserve.runners.torch.kernels.fp8_gemm > "$OUT/fp8_gemm.log" 2>&1
+  timeout 120 python scripts/bench_fp8_gemm.py > "$OUT/fp8_gemm.log" 2>&1
   echo "fp8 rc $?"; tail -20 "$OUT/fp8_gemm.log"
 fi
 if [[ $PARTS == *speed* ]]; then

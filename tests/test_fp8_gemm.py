@@ -1,5 +1,6 @@
-"""FP8 linear layers (kernels/fp8_gemm.py): the reference, the per-token activation quantization, the
-GPU paths against the reference that rounds the same way, and the Triton kernels under the interpreter.
+"""FP8 linear layers (kernels/fp8_gemm.py): the reference, the per-token activation quantization
+(kernels/fp8_quant.py), the GPU paths against the reference that rounds the same way, and the Triton
+kernels under the interpreter.
 
 CPU: fp8_linear_ref against float64 numpy computations written independently (block scales expanded
 block by block, E4M3 rounding by nearest-grid-point search), for per-channel and 128 x 128 block
@@ -33,6 +34,7 @@ import pytest
 import torch
 
 from llmserve.runners.torch.kernels import fp8_gemm as F
+from llmserve.runners.torch.kernels import fp8_quant as Q
 
 FP8 = torch.float8_e4m3fn
 HERE = Path(__file__).resolve().parent
@@ -173,7 +175,7 @@ def test_quantize_act_ref(fresh_seed, group, dtype):
     x = (torch.randn(M, K, generator=g) * torch.logspace(-4, 3, K)[torch.randperm(K, generator=g)]).to(dtype)
     x[3] = 0  # a zero row: zeros, finite scale
     x[4, :5] = -0.0
-    q, s = F.quantize_act_ref(x, group)
+    q, s = Q.quantize_act_ref(x, group)
     G = 1 if group is None else -(-K // group)
     assert q.dtype == FP8 and q.shape == (M, K) and s.dtype == torch.float32 and s.shape == (M, G)
     assert torch.isfinite(s).all() and (s > 0).all()
@@ -202,7 +204,7 @@ def test_quantize_ties_to_even():
     nxt = torch.nextafter(mid, torch.full_like(mid, 1e9))
     prv = torch.nextafter(mid, torch.zeros_like(mid))
     row = torch.cat([torch.tensor([448.0]), mid, nxt, prv, -mid])
-    q, s = F.quantize_act_ref(row[None, :], None)
+    q, s = Q.quantize_act_ref(row[None, :], None)
     assert s.item() == 1.0
     assert np.array_equal(q.view(torch.uint8).numpy()[0], e4m3_codes(row.numpy().astype(np.float64)))
 
@@ -267,14 +269,14 @@ def test_gpu_quantize_act_bit_exact(fresh_seed, group, dtype):
         x = (torch.randn(M, K, generator=g) * torch.logspace(-3, 3, K)[torch.randperm(K, generator=g)]).to(dtype)
         x[0, :3] = 0
         x = x.cuda()
-        q, s = F.quantize_act(x, group)
-        qr, sr = F.quantize_act_ref(x, group)
+        q, s = Q.quantize_act(x, group)
+        qr, sr = Q.quantize_act_ref(x, group)
         assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)), (M, K)
         assert torch.equal(s, sr), (M, K)
     grid = torch.from_numpy(e4m3_grid()).float()
     mid = (grid[:-1] + grid[1:]) / 2
     row = torch.cat([torch.tensor([448.0]), mid, -mid, torch.nextafter(mid, torch.zeros_like(mid))])[None, :].cuda()
-    q, _ = F.quantize_act(row, None)
+    q, _ = Q.quantize_act(row, None)
     assert np.array_equal(q.view(torch.uint8).cpu().numpy()[0], e4m3_codes(row.cpu().numpy()[0].astype(np.float64)))
 
 
@@ -287,7 +289,7 @@ def _gpu_case(seed, M, N, K, block, kind, out_dtype, with_bias):
         y = F.fp8_linear(x, weight, scale, block, bias, out_dtype)
         quantized = F.fp8_path(x.device) == "w8a8"
     elif kind == "triton_w8a8":
-        xq, xs = F.quantize_act(x, block)
+        xq, xs = Q.quantize_act(x, block)
         y = F.w8a8_gemm(xq, xs, weight, scale, block, bias, out_dtype)
         quantized = True
     else:
@@ -364,15 +366,15 @@ def _interp_quantize(seed: int) -> None:
             x = (torch.randn(5, 300, generator=g) * torch.logspace(-4, 3, 300)).to(dtype)
             x[1] = 0
             x[2, :4] = -0.0
-            q, s = F.quantize_act(x, group)
-            qr, sr = F.quantize_act_ref(x, group)
+            q, s = Q.quantize_act(x, group)
+            qr, sr = Q.quantize_act_ref(x, group)
             assert torch.equal(q.view(torch.uint8), qr.view(torch.uint8)), (dtype, group)
             assert torch.equal(s, sr), (dtype, group)
     grid = torch.from_numpy(e4m3_grid()).float()
     mid = (grid[:-1] + grid[1:]) / 2
     nxt = torch.nextafter(mid, torch.full_like(mid, 1e9))
     row = torch.cat([torch.tensor([448.0]), mid, nxt, torch.nextafter(mid, torch.zeros_like(mid)), -mid, -nxt])
-    q, _ = F.quantize_act(row[None, :], None)
+    q, _ = Q.quantize_act(row[None, :], None)
     assert np.array_equal(q.view(torch.uint8).numpy()[0], e4m3_codes(row.numpy().astype(np.float64)))
 
 

@@ -191,6 +191,7 @@ def test_the_whole_stack_serves_a_quantized_model(tmp_path):
             assert oa["usage"]["completion_tokens"] == len(ids)
 
 
+@pytest.mark.skipif(not CPU, reason="fp32 on the CPU; test_quantized_models_on_the_gpu covers the GPU")
 @pytest.mark.parametrize("kv,bound", [("int8", 2e-2), ("fp8", 8e-2)])
 def test_quantized_kv_cache_serves_close_to_the_dense_model(tmp_path, kv, bound, fresh_seed):
     """Prefill and decode over an int8/FP8 cache (every attention reads the cache): logits near HF's
@@ -209,8 +210,53 @@ def test_a_quantized_kv_cache_is_sized_from_its_bytes(tmp_path):
     tiny(tmp_path, 3)
     runners = {kv: make_runner(tmp_path, kv_cache_dtype=kv) for kv in ("auto", "int8")}
     dense, q8 = runners["auto"].kv_spec, runners["int8"].kv_spec
-    D = 32  # head_dim of tiny(): int8 values plus one fp32 scale per token and head, against fp32 values
-    assert q8.block_bytes / dense.block_bytes == (D + 4) / (4 * D)
+    D = 32  # head_dim of tiny(): int8 values plus one fp32 scale per token and head
+    assert q8.block_bytes / dense.block_bytes == (D + 4) / (dense.dtype.itemsize * D)
     assert runners["int8"].kv_cache.data.dtype == torch.int8 and runners["int8"].kv_cache.scales is not None
     assert all(r._block_bytes() == r.kv_spec.block_bytes for r in runners.values())
     assert make_runner(tmp_path, use_cache_kv_int8=True).kv_spec == q8
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "fmt", ["gptq-act-order", "awq", "fp8-block", "fp8-channel", "weight_only_int8", "weight_only_int4", "fp8",
+            "kv-int8", "kv-fp8"],
+)  # fmt: skip
+def test_quantized_models_on_the_gpu(tmp_path, fmt):
+    """The CUDA paths (Triton GEMMs, FP8 tensor cores with per-token activation scales, the quantized
+    KV cache) in a bf16 model: prompt logits against HF in fp32 over the dequantized weights, within
+    a bf16 model's error (FP8 activations add theirs), and greedy decoding (CUDA graphs) runs."""
+    src, dst, ref = tmp_path / "src", tmp_path / "q", tmp_path / "ref"
+    tiny(src, 5)
+    kw, model = {}, dst
+    if fmt == "gptq-act-order":
+        deq = qc.write_gptq(src, dst, desc_act=True)
+    elif fmt == "awq":
+        deq = qc.write_awq(src, dst)
+    elif fmt == "fp8-block":
+        deq = qc.write_fp8_block(src, dst)
+    elif fmt == "fp8-channel":
+        deq = qc.write_fp8_channel(src, dst)
+    else:
+        deq, model = {}, src
+        kw = {"kv_cache_dtype": fmt[3:]} if fmt.startswith("kv-") else {"quant_type": fmt}
+        for k, w in load_file(src / "model.safetensors").items():
+            if ".layers." in k and k.endswith("_proj.weight") and fmt == "weight_only_int8":
+                deq[k] = formats.dequantize_w8(*formats.quantize_w8(w.float()))
+            elif ".layers." in k and k.endswith("_proj.weight") and fmt == "weight_only_int4":
+                deq[k] = formats.dequantize_w4(*formats.quantize_w4(w.float(), 128), 128)
+            elif ".layers." in k and k.endswith("_proj.weight") and fmt == "fp8":
+                deq[k] = formats.dequantize_fp8(*formats.quantize_fp8_channel(w.float()))
+    dense_copy(src, ref, deq)
+    rng = PROMPTS_RNG(7)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 40)]
+    ours = our_logits(model, prompts, **kw)
+    theirs = hf_logits(ref, "llama", prompts)
+    bound = 6e-2 if "fp8" in fmt else 3e-2
+    for a, b in zip(ours, theirs):
+        err = float((a[-1].float().cpu() - b[-1]).norm() / b[-1].norm())
+        assert err < bound, (fmt, err)
+    runner = make_runner(model, block_bs=4, **kw)
+    reqs = [Request(f"g{i}", p, SamplingParams(max_tokens=12, temperature=0.0)) for i, p in enumerate(prompts)]
+    Driver(runner, chunk=16).run(reqs)
+    assert all(len(r.output_token_ids) == 12 for r in reqs)

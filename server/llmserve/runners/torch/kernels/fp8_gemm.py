@@ -5,8 +5,7 @@
 128). `fp8_path(device)` names the path a device runs:
 
 - "w8a8" (CUDA, sm_89+: FP8 tensor cores). The activations are quantized per token on the fly
-  (`quantize_act`: a row's, or with block scales a row's 128-column group's, absmax / 448 is its
-  fp32 scale; x * (448 / absmax) rounds to E4M3, ties to even), then
+  (fp8_quant.py's `quantize_act`: per row, or with block scales per 128-column group), then
     per channel: torch._scaled_mm with rowwise scales (x_scale [M, 1], scale [1, N]; cuBLASLt on
       sm_90 or CUTLASS, fp32 accumulation), where its constraints hold (K and N multiples of 16,
       W contiguous, 16-byte aligned operands) and a one-time probe found it working for the output
@@ -28,6 +27,8 @@ Under TRITON_INTERPRET=1 (tests) a CPU device takes "w8a8" with the Triton GEMM 
 kinds. Nothing here syncs with the host or allocates by data: the calls are CUDA-graph safe once
 warmed up (the probe of torch._scaled_mm runs on a first call outside a capture; a first call during
 one takes the Triton GEMM without deciding).
+
+Micro-benchmark (a GPU; bf16 mm vs fp8_linear): PYTHONPATH=server python scripts/bench_fp8_gemm.py
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ import os
 import torch
 
 from .. import kernels as _pkg
-from . import HAS_TRITON, next_pow2, use_triton
+from . import HAS_TRITON
+from .fp8_quant import FP8_MAX, _cdiv, dequantize_act_ref, quantize_act, quantize_act_ref
 
 try:
     import triton
@@ -45,59 +47,7 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-FP8_MAX = 448.0  # largest finite E4M3 (float8_e4m3fn) value
-AMAX_EPS = 1e-12  # a zero row/group quantizes to zeros with scale AMAX_EPS / 448, never 0 / 0
-
 if triton is not None:
-
-    @triton.jit
-    def _rne_e4m3(v):
-        """The E4M3 value nearest to v (|v| <= 448), ties to even, computed exactly in fp32.
-
-        The interpreter's fp32 -> fp8 cast rounds ties away and drops the mantissa's carry (Triton
-        3.6); a value already on the E4M3 grid converts exactly there, as on a GPU."""
-        bits = v.to(tl.int32, bitcast=True)
-        a = (bits & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-        e = ((bits >> 23) & 0xFF) - 127  # floor(log2 a); -127 for 0
-        e = tl.maximum(e, -6)  # below 2^-6: E4M3 subnormals, one grid step 2^-9
-        ulp = ((e + 124) << 23).to(tl.float32, bitcast=True)  # 2^(e - 3)
-        t = a * ((130 - e) << 23).to(tl.float32, bitcast=True)  # a / ulp, exact: in [0, 16)
-        f = tl.floor(t)
-        r = t - f
-        odd = (f.to(tl.int32) & 1) == 1
-        up = (r > 0.5) | ((r == 0.5) & odd)
-        q = (f + up.to(tl.float32)) * ulp
-        return (q.to(tl.int32, bitcast=True) | (bits & -0x80000000)).to(tl.float32, bitcast=True)  # v's sign
-
-    @triton.jit
-    def _quant_act_kernel(
-        x_ptr,
-        q_ptr,
-        s_ptr,
-        stride_x,
-        stride_q,
-        stride_s,
-        K,
-        GSIZE,
-        NG: tl.constexpr,
-        GBLOCK: tl.constexpr,
-        SOFT_ROUND: tl.constexpr,
-    ):
-        """Row `program_id(0)`, groups NG * program_id(1) .. + NG of GSIZE columns (GBLOCK >= GSIZE)."""
-        row = tl.program_id(0).to(tl.int64)
-        g = tl.program_id(1) * NG + tl.arange(0, NG)
-        j = tl.arange(0, GBLOCK)
-        cols = g[:, None] * GSIZE + j[None, :]
-        m = (j[None, :] < GSIZE) & (cols < K)
-        x = tl.load(x_ptr + row * stride_x + cols, mask=m, other=0.0).to(tl.float32)
-        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)  # AMAX_EPS
-        inv = tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)  # IEEE, as torch divides
-        v = tl.minimum(tl.maximum(x * inv[:, None], -448.0), 448.0)
-        if SOFT_ROUND:
-            v = _rne_e4m3(v)
-        tl.store(q_ptr + row * stride_q + cols, v.to(tl.float8e4nv), mask=m)
-        scale = tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32))
-        tl.store(s_ptr + row * stride_s + g, scale, mask=g * GSIZE < K)
 
     @triton.jit
     def _tile_ids(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
@@ -230,10 +180,6 @@ if triton is not None:
 # ---- the references ----
 
 
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 def fp8_dequant_ref(weight: torch.Tensor, scale: torch.Tensor, block: int | None = None) -> torch.Tensor:
     """W [N, K] fp32 from the canonical form (exact up to fp32's rounding of weight * scale)."""
     N, K = weight.shape
@@ -242,29 +188,6 @@ def fp8_dequant_ref(weight: torch.Tensor, scale: torch.Tensor, block: int | None
         return w * scale.float().reshape(N, 1)
     s = scale.float().repeat_interleave(block, 0)[:N].repeat_interleave(block, 1)[:, :K]
     return w * s
-
-
-def quantize_act_ref(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token E4M3 quantization of x [M, K]: (x_fp8 [M, K], x_scale fp32 [M, G]), G = 1 (group=None:
-    the whole row) or ceil(K / group). amax = max(|x| over the group, 1e-12); x_scale = amax / 448;
-    x_fp8 = E4M3(clamp(x * (448 / amax), +-448)), round to nearest, ties to even (IEEE fp32 division
-    and multiplication: the Triton kernel computes the same bits). x ~= x_fp8 * x_scale, within
-    2^-4 of |x| (3 mantissa bits) for |x| >= 2^-6 * x_scale, and within 2^-10 * x_scale below."""
-    M, K = x.shape
-    gs = K if group is None else group
-    G = _cdiv(K, gs) if K else 1
-    xf = torch.nn.functional.pad(x.float(), (0, G * gs - K)).view(M, G, gs)
-    amax = xf.abs().amax(dim=2).clamp_min(AMAX_EPS)
-    inv = torch.div(torch.full_like(amax, FP8_MAX), amax)  # not 448 / t: torch would take 1 / t * 448
-    q = (xf * inv[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    scale = torch.div(amax, torch.full_like(amax, FP8_MAX))
-    return q.view(M, G * gs)[:, :K].contiguous(), scale
-
-
-def dequantize_act_ref(x_fp8: torch.Tensor, x_scale: torch.Tensor, group: int | None = None) -> torch.Tensor:
-    K = x_fp8.shape[1]
-    s = x_scale if group is None else x_scale.repeat_interleave(group, 1)[:, :K]
-    return x_fp8.float() * s
 
 
 def fp8_linear_ref(
@@ -358,40 +281,6 @@ def _aligned(*ts: torch.Tensor) -> bool:
 
 
 # ---- the Triton launches (also reached directly by the tests) ----
-
-
-def quantize_act(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_act_ref's result, by the Triton kernel where kernels run (bit for bit the same)."""
-    if not use_triton(x):
-        return quantize_act_ref(x, group)
-    M, K = x.shape
-    G = 1 if group is None else _cdiv(K, group)
-    q = torch.empty(M, K, dtype=torch.float8_e4m3fn, device=x.device)
-    s = torch.empty(M, G, dtype=torch.float32, device=x.device)
-    if M == 0:
-        return q, s
-    if group is None:
-        gs, gblock, ng = K, next_pow2(K), 1
-        warps = min(16, max(1, gblock // 512))
-    else:
-        gs, gblock = group, next_pow2(group)
-        ng = max(1, min(next_pow2(G), 2048 // gblock))
-        warps = min(8, max(1, ng * gblock // 512))
-    _quant_act_kernel[(M, triton.cdiv(G, ng))](
-        x,
-        q,
-        s,
-        x.stride(0),
-        q.stride(0),
-        s.stride(0),
-        K,
-        gs,
-        NG=ng,
-        GBLOCK=gblock,
-        SOFT_ROUND=not x.is_cuda,
-        num_warps=warps,
-    )
-    return q, s
 
 
 def _w8a8_config(M: int, N: int) -> dict:
@@ -544,41 +433,3 @@ def fp8_linear(
         return y.reshape(*lead, N)
     y = w8a8_gemm(xq, xs, weight, scale, block, bias, out_dtype)
     return y.reshape(*lead, N)
-
-
-if __name__ == "__main__":  # python -m llmserve.runners.torch.kernels.fp8_gemm (a GPU): bf16 mm vs fp8_linear
-    import sys
-
-    if not torch.cuda.is_available():
-        sys.exit("needs a CUDA device")
-    dev, gen = torch.device("cuda"), torch.Generator(device="cuda").manual_seed(0)
-    print(f"{torch.cuda.get_device_name()}: fp8 path {fp8_path(dev)}, fp32 output (as the model asks); bf16 mm")
-    print("into bf16; times in us per call (CUDA-graph replays), ratio = bf16 time / fp8 time")
-
-    def bench(fn, iters: int = 50) -> float:
-        for _ in range(5):
-            fn()
-        g = torch.cuda.CUDAGraph()  # graph-replayed, as the runner does: no launch overhead in the figure
-        with torch.cuda.graph(g):
-            for _ in range(iters):
-                fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) * 1000 / iters
-
-    print(f"{'N':>6} {'K':>6} {'M':>5} {'bf16':>8} {'fp8 ch':>8} {'ratio':>6} {'fp8 blk':>8} {'ratio':>6}")
-    for N, K in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]:
-        w = torch.randn(N, K, device=dev, generator=gen, dtype=torch.bfloat16) / K**0.5
-        wq = (w.float() / (w.float().abs().amax(1, keepdim=True) / FP8_MAX)).to(torch.float8_e4m3fn)
-        s_ch = w.float().abs().amax(1) / FP8_MAX
-        s_blk = torch.rand(_cdiv(N, 128), _cdiv(K, 128), device=dev, generator=gen) / FP8_MAX
-        for M in (1, 64, 2048):
-            x = torch.randn(M, K, device=dev, generator=gen, dtype=torch.bfloat16)
-            t_mm = bench(lambda x=x, w=w: torch.mm(x, w.t()))
-            t_ch = bench(lambda x=x, wq=wq, s=s_ch: fp8_linear(x, wq, s, None, None, torch.float32))
-            t_bk = bench(lambda x=x, wq=wq, s=s_blk: fp8_linear(x, wq, s, 128, None, torch.float32))
-            print(f"{N:>6} {K:>6} {M:>5} {t_mm:8.1f} {t_ch:8.1f} {t_mm / t_ch:6.2f} {t_bk:8.1f} {t_mm / t_bk:6.2f}")
-    print("per channel through torch._scaled_mm (device, out dtype):", _SCALED_MM_OK)

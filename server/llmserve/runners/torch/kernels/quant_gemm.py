@@ -39,6 +39,7 @@ import functools
 import torch
 
 from . import next_pow2, use_triton
+from .quant_dequant import DEQUANT_M, w4_dequant_mm, w8_dequant_mm
 
 try:
     import triton
@@ -380,6 +381,8 @@ def w8a16_linear(
     M, K = x.shape
     scale = scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
+    if M >= DEQUANT_M and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):  # prefill: quant_dequant.py
+        return w8_dequant_mm(x, qweight, scale, bias, out_dtype)
     meta, split, per_split = _plan_w8(M, N, K, _num_sms(x.device), x.dtype == torch.float32)
     out = _launch_out(M, N, split, out_dtype, x.device)
     grid = (_cdiv(M, meta["BLOCK_M"]) * _cdiv(N, meta["BLOCK_N"]), split)
@@ -446,6 +449,9 @@ def w4a16_linear(
         return w4a16_linear_ref(x, qweight, scales, zeros, group_size, bias, out_dtype)
     out_dtype = out_dtype or x.dtype
     bias = bias.contiguous() if bias is not None else None
+    dense_ok = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and scales.stride(1) == zeros.stride(1) == 1
+    if M >= DEQUANT_M and dense_ok and qweight.is_contiguous():  # prefill: quant_dequant.py
+        return w4_dequant_mm(x, qweight, scales, zeros, G, bias, out_dtype)
     meta, split, per_split = _plan_w4(M, N, K, G, _num_sms(x.device), x.dtype == torch.float32)
     out = _launch_out(M, N, split, out_dtype, x.device)
     grid = (_cdiv(M, meta["BLOCK_M"]) * _cdiv(N, meta["BLOCK_N"]), split)
