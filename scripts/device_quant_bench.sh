@@ -12,8 +12,9 @@ export PYTHONPATH="$PWD/server:/tmp/site"
 PARTS="${PART:-tests,gemm,speed}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ $PARTS == *tests* ]]; then
-  timeout 420 python -m pytest -q -p no:cacheprovider tests/test_quant_gemm.py tests/test_fp8_gemm.py \
-    tests/test_kv_quant.py tests/test_torch_runner.py tests/test_quant_model.py -k "gpu or GPU or cuda or graph or match" \
+  TESTS="${TESTS:-tests/test_quant_gemm.py tests/test_fp8_gemm.py tests/test_kv_quant.py tests/test_torch_runner.py tests/test_quant_model.py}"
+  # shellcheck disable=SC2086
+  timeout 420 python -m pytest -q -p no:cacheprovider $TESTS -k "gpu or GPU or cuda or graph or match" \
     > "$OUT/gpu_tests.log" 2>&1
   echo "tests rc $?" | tee -a "$OUT/gpu_tests.log"
   tail -25 "$OUT/gpu_tests.log"

@@ -252,7 +252,9 @@ def test_quantized_models_on_the_gpu(tmp_path, fmt):
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (5, 40)]
     ours = our_logits(model, prompts, **kw)
     theirs = hf_logits(ref, "llama", prompts)
-    bound = 6e-2 if "fp8" in fmt else 3e-2
+    # FP8 weights run with FP8 activations (per-token scales, 3 mantissa bits): on this tiny random
+    # model ~0.08-0.10 of the logits' norm; each kernel's exactness is tests/test_fp8_gemm.py's
+    bound = {"fp8-block": 0.15, "fp8-channel": 0.15, "fp8": 0.15, "kv-fp8": 6e-2}.get(fmt, 3e-2)
     for a, b in zip(ours, theirs):
         err = float((a[-1].float().cpu() - b[-1]).norm() / b[-1].norm())
         assert err < bound, (fmt, err)

@@ -5,10 +5,10 @@ writes the weight in bf16 (a few percent of the GEMM's time at M = 2048) buys cu
 kernel that must dequantize every tile inside its main loop (scripts/bench_quant_gemm.py). Decode-sized M
 stays with quant_gemm.py's kernels, which read only the quantized bytes.
 
-- w8: the int8 values convert exactly (|q| <= 127); the per-channel scale multiplies the fp32 output, so
-  the result is the exact W's up to the GEMM's own rounding.
-- w4: (q - zero) * scale is rounded once to x's dtype, as a dense bf16 weight would be, by a Triton kernel
-  that writes W.T [K, N] from the packed words [K / 8, N] (cuBLAS takes either layout).
+Each weight is rounded once to x's dtype, as a dense bf16 weight would be, by a Triton kernel:
+- w8: q * scale, W [N, K] from qweight [N, K]. (Converting q exactly and scaling the fp32 output instead
+  costs a pass over the [M, N] output, more than the weight's at M = 2048: measured slower.)
+- w4: (q - zero) * scale, W.T [K, N] from the packed words [K / 8, N] (cuBLAS takes either layout).
 """
 
 from __future__ import annotations
@@ -24,6 +24,16 @@ except ImportError:  # pragma: no cover
 DEQUANT_M = 1024  # from this many rows (measured on an H100: docs/quantization.md)
 
 if triton is not None:
+
+    @triton.jit
+    def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (n[:, None] < N) & (k[None, :] < K)
+        offs = n[:, None].to(tl.int64) * K + k[None, :]
+        q = tl.load(w_ptr + offs, mask=mask, other=0).to(tl.float32)
+        s = tl.load(s_ptr + n, mask=n < N, other=0.0)
+        tl.store(out_ptr + offs, (q * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _w4_dequant_kernel(
@@ -45,8 +55,10 @@ if triton is not None:
 
 
 def w8_dequant_mm(x, qweight, scale, bias, out_dtype) -> torch.Tensor:
-    out = torch.mm(x, qweight.to(x.dtype).t(), out_dtype=torch.float32)
-    out.mul_(scale)
+    N, K = qweight.shape
+    w = torch.empty(N, K, dtype=x.dtype, device=x.device)
+    _w8_dequant_kernel[(triton.cdiv(N, 32), triton.cdiv(K, 256))](qweight, scale, w, N, K, BLOCK_N=32, BLOCK_K=256)
+    out = torch.mm(x, w.t(), out_dtype=torch.float32)
     if bias is not None:
         out.add_(bias)
     return out if out_dtype == torch.float32 else out.to(out_dtype)

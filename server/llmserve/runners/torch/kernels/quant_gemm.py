@@ -381,7 +381,8 @@ def w8a16_linear(
     M, K = x.shape
     scale = scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
-    if M >= DEQUANT_M and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):  # prefill: quant_dequant.py
+    dense_ok = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and qweight.is_contiguous()
+    if M >= DEQUANT_M and dense_ok:  # prefill: quant_dequant.py
         return w8_dequant_mm(x, qweight, scale, bias, out_dtype)
     meta, split, per_split = _plan_w8(M, N, K, _num_sms(x.device), x.dtype == torch.float32)
     out = _launch_out(M, N, split, out_dtype, x.device)
