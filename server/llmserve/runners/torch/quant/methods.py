@@ -125,10 +125,6 @@ class W4(LinearMethod):
             w["perm"] = perm
         return Linear(self, w, self._bias(r, p))
 
-    @property
-    def _group(self) -> int:
-        return self.group_size
-
     def fusable(self, parts):
         perms = [p.get("perm") for p in parts]
         if all(q is None for q in perms):
@@ -213,11 +209,10 @@ def method_for(model_dir: str | Path, config: Config, device: torch.device, dtyp
     kind = config.quant_type or (spec.method if spec else "")
     if kind in ("fp8", "fp8_block", "fp8_channel"):
         path = fp8_path(device)
-        log.info(
-            "FP8 weights: %s GEMMs on %s",
-            {"w8a8": "FP8 tensor-core", "weight_only": "dequantizing"}.get(path, "reference"),
-            device,
-        )
+        if path == "weight_only":  # said once, at start: nothing falls back silently
+            log.warning("FP8 weights on %s: FP8 tensor-core GEMMs need sm_89+; running the dequantizing GEMM", device)
+        else:
+            log.info("FP8 weights: %s GEMMs on %s", "FP8 tensor-core" if path == "w8a8" else "reference", device)
     if kind == "":
         return LinearMethod(dtype)
     if kind == "weight_only_int8":
