@@ -45,16 +45,3 @@ class Linear:
             return sum(p.nbytes for p in self.parts)
         ts = list(self.w.values()) + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in ts)
-
-    @property
-    def dense_weight(self) -> torch.Tensor:
-        """W [N, K] in fp32, dequantized (tests and the reference path)."""
-        if self.parts is not None:
-            return torch.cat([p.dense_weight for p in self.parts], dim=0)
-        w = self.method.dequantize(self.w)
-        perm = self.w.get("perm")
-        if perm is not None:  # W_canon[:, j] multiplies x[:, perm[j]]
-            out = torch.empty_like(w)
-            out[:, perm] = w
-            w = out
-        return w

@@ -62,9 +62,6 @@ class LinearMethod:
         out = torch.mm(x, W.t(), out_dtype)  # cuBLAS writes fp32 (model.py: `wide`)
         return out if bias is None else out.add_(bias)
 
-    def dequantize(self, w: dict[str, torch.Tensor]) -> torch.Tensor:
-        return w["weight"].float()
-
 
 class W8(LinearMethod):
     """Weight-only int8, per output channel; quantized at load (QUANT_TYPE=weight_only_int8)."""
@@ -78,9 +75,6 @@ class W8(LinearMethod):
 
     def apply(self, w, x, bias, out_dtype):
         return w8a16_linear(x, w["qweight"], w["scale"], bias, out_dtype)
-
-    def dequantize(self, w):
-        return formats.dequantize_w8(w["qweight"], w["scale"])
 
 
 class W4(LinearMethod):
@@ -135,10 +129,6 @@ class W4(LinearMethod):
         G = w["qweight"].shape[0] * 8 // w["scales"].shape[0]
         return w4a16_linear(x, w["qweight"], w["scales"], w["zeros"], G, bias, out_dtype)
 
-    def dequantize(self, w):
-        G = w["qweight"].shape[0] * 8 // w["scales"].shape[0]
-        return formats.dequantize_w4(w["qweight"], w["scales"], w["zeros"], G)
-
 
 class FP8(LinearMethod):
     """E4M3 weights with per-channel or 128 x 128 block scales: FP8 tensor-core GEMMs with per-token
@@ -171,9 +161,6 @@ class FP8(LinearMethod):
 
     def apply(self, w, x, bias, out_dtype):
         return fp8_linear(x, w["weight"], w["scale"], self.block, bias, out_dtype)
-
-    def dequantize(self, w):
-        return formats.dequantize_fp8(w["weight"], w["scale"], self.block)
 
 
 def load_linear(method: LinearMethod, r: _Reader, *prefixes: str) -> Linear:
