@@ -49,10 +49,17 @@ class KVCache:
     data: torch.Tensor  # [layers, 2, num_blocks, KVH, block_size, D]
     scales: torch.Tensor | None  # [layers, 2, num_blocks, KVH, block_size] float32, when quantized
 
+    def __post_init__(self) -> None:
+        # Each layer's views, made once: every step of every layer reads them (the per-token hot path).
+        s = self.scales
+        self._layers = [
+            (self.data[i, 0], self.data[i, 1], None if s is None else s[i, 0], None if s is None else s[i, 1])
+            for i in range(self.data.shape[0])
+        ]
+
     def layer(self, i: int) -> LayerKV:
         """(k, v, k_scale, v_scale) of layer i, contiguous views, as rope_and_cache and paged_attention take them."""
-        s = self.scales
-        return self.data[i, 0], self.data[i, 1], None if s is None else s[i, 0], None if s is None else s[i, 1]
+        return self._layers[i]
 
 
 def kv_spec_for(

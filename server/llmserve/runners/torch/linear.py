@@ -30,13 +30,13 @@ class Linear:
         self.w = w  # the method's canonical tensors (quant/__init__.py); "perm": an input permutation
         self.bias = bias
         self.parts = parts  # set instead of `w` when the projections could not be fused
+        self.perm = w.get("perm")  # looked up once, not per call
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         if self.parts is not None:
             return torch.cat([p(x, out_dtype) for p in self.parts], dim=-1)
-        perm = self.w.get("perm")
-        if perm is not None:
-            x = x.index_select(-1, perm)
+        if self.perm is not None:
+            x = x.index_select(-1, self.perm)
         return self.method.apply(self.w, x, self.bias, out_dtype)
 
     @property

@@ -53,6 +53,16 @@ class LinearMethod:
     def fusable(self, parts: list[dict[str, torch.Tensor]]) -> bool:
         return True
 
+    def _read_checkpoint(self, r: _Reader, p: str) -> Linear:
+        """A projection of a quantized checkpoint in its canonical form (formats.to_canonical); one the
+        tool left unquantized (no quantized tensors) is read by the dense method."""
+        names = formats.tensor_names(self.spec, p)
+        c = formats.to_canonical(self.spec, {role: r.raw(n) for role, n in names.items() if r.has(n)})
+        if set(c) == {"weight", "bias"}:
+            return self.dense.read(r, p)
+        w = {k: v for k, v in c.items() if k in self.n_dim or (k == "perm" and v is not None)}
+        return Linear(self, w, self._bias(r, p))
+
     def apply(
         self, w: dict[str, torch.Tensor], x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
     ) -> torch.Tensor:
@@ -100,24 +110,7 @@ class W4(LinearMethod):
                 )
             q, s, z = formats.quantize_w4(W, self.group_size)
             return Linear(self, {"qweight": q, "scales": s, "zeros": z}, self._bias(r, p))
-        if not r.has(p + "qweight"):  # left unquantized by the tool
-            return self.dense.read(r, p)
-        s = self.spec
-        if s.method == "gptq":
-            g_idx = r.raw(p + "g_idx") if r.has(p + "g_idx") else None
-            q, sc, z, perm = formats.gptq_to_canonical(
-                r.raw(p + "qweight"), r.raw(p + "qzeros"), r.raw(p + "scales"), g_idx, s.group_size, s.desc_act,
-                s.sym, s.v2,
-            )  # fmt: skip
-        else:  # awq
-            q, sc, z = formats.awq_to_canonical(
-                r.raw(p + "qweight"), r.raw(p + "qzeros"), r.raw(p + "scales"), s.group_size
-            )
-            perm = None
-        w = {"qweight": q, "scales": sc, "zeros": z}
-        if perm is not None:
-            w["perm"] = perm
-        return Linear(self, w, self._bias(r, p))
+        return self._read_checkpoint(r, p)
 
     def fusable(self, parts):
         perms = [p.get("perm") for p in parts]
@@ -144,16 +137,9 @@ class FP8(LinearMethod):
             self.name = spec.method
 
     def read(self, r: _Reader, p: str) -> Linear:
-        if self.spec is None:  # QUANT_TYPE=fp8: per channel, at load
-            weight, scale = formats.quantize_fp8_channel(r.raw(p + "weight").float())
-        else:
-            weight = r.raw(p + "weight")
-            if weight.dtype != torch.float8_e4m3fn:  # left in bf16 by the tool
-                return self.dense.read(r, p)
-            if self.block:
-                scale = r.raw(p + "weight_scale_inv").float()
-            else:
-                scale = r.raw(p + "weight_scale").float().reshape(-1)
+        if self.spec is not None:
+            return self._read_checkpoint(r, p)
+        weight, scale = formats.quantize_fp8_channel(r.raw(p + "weight").float())  # QUANT_TYPE=fp8, at load
         return Linear(self, {"weight": weight, "scale": scale}, self._bias(r, p))
 
     def fusable(self, parts):  # a block of scales must not span two projections
