@@ -69,14 +69,21 @@ def test_every_bad_value_is_named_at_once():
     [
         ({"MP_NNODE": "2", "POD_IPS": "10.0.0.1"}, "POD_IPS"),
         ({"MP_NNODE": "2", "POD_IPS": "10.0.0.1,10.0.0.2", "POD_0_IP": "10.0.0.2"}, "POD_0_IP"),
-        ({"MP_NNODE": "2", "POD_IPS": "10.0.0.1,10.0.0.2"}, "MP_NNODE"),
+        ({"MP_NNODE": "2", "MP_NUM": "3", "POD_IPS": "10.0.0.1,10.0.0.2"}, "MP_NUM=3: must be a multiple"),
+        ({"MP_NNODE": "2", "MP_NUM": "2", "POD_IPS": "10.0.0.1,10.0.0.2", "NODE_RANK": "2"}, "NODE_RANK"),
         ({"PUSH_MODE_HTTP_WORKERS": "9"}, "PUSH_MODE_HTTP_WORKERS"),
-        ({"MP_NUM": "2"}, "MP_NUM"),
+        ({"MP_NUM": "2", "SPECULATE_METHOD": "mtp"}, "SPECULATE_METHOD=mtp with MP_NUM=2"),
+        ({"MP_NUM": "2", "DIST_TIMEOUT": "0"}, "DIST_TIMEOUT"),
     ],
 )
 def test_multi_node_and_limits_are_checked(env, named):
     with pytest.raises(ConfigError, match=named):
         Config.from_env(env=env)
+
+
+def test_tensor_parallel_settings_are_accepted():
+    c = Config.from_env(env={"MP_NUM": "4", "MP_NNODE": "2", "POD_IPS": "10.0.0.1, 10.0.0.2", "NODE_RANK": "1"})
+    assert (c.mp_num, c.mp_nnode, c.node_ips, c.node_rank) == (4, 2, ["10.0.0.1", "10.0.0.2"], 1)
 
 
 def test_inter_queue_port_is_an_alias_of_inter_proc_port():

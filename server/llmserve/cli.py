@@ -17,6 +17,9 @@ def _export(args: argparse.Namespace) -> int:
     if args.seed is not None and not args.random_demo:
         print("llmserve export: --seed is for --random-demo only", file=sys.stderr)
         return 2
+    if args.mp != 1 and not args.hf:
+        print("llmserve export: --mp is for --hf only", file=sys.stderr)
+        return 2
     if args.demo:
         from llmserve.models.demo import export_demo
 
@@ -28,7 +31,7 @@ def _export(args: argparse.Namespace) -> int:
     else:
         from llmserve.models.export import export_hf
 
-        export_hf(args.hf, args.out)
+        export_hf(args.hf, args.out, mp=args.mp)
         out = Path(args.out)
     print(f"wrote {out}")
     return 0
@@ -110,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--hf", metavar="DIR", help="a Llama / Qwen2 HF checkpoint to convert")
     e.add_argument("--out", required=True, metavar="DIR")
     e.add_argument("--seed", type=int, default=None, help="--random-demo's weights (default 0)")
+    e.add_argument(
+        "--mp",
+        type=int,
+        default=1,
+        metavar="N",
+        help="--hf: shard over N tensor-parallel ranks (rank_0 ... rank_{N-1})",
+    )
     e.set_defaults(func=_export)
 
     g = sub.add_parser("generate", help="generate offline, one JSON line per prompt")

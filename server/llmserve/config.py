@@ -51,6 +51,15 @@ def _ratio(raw: str) -> float:
     return v
 
 
+def _opt_nonneg_int(raw: str) -> int | None:
+    if raw.strip() == "":
+        return None
+    v = int(raw)
+    if v < 0:
+        raise ValueError(f"expected an integer >= 0, got {v}")
+    return v
+
+
 def _opt_positive_int(raw: str) -> int | None:
     return None if raw.strip() == "" else _positive_int(raw)
 
@@ -151,10 +160,19 @@ class Config:
     )
     push_mode_http_workers: int = _setting("PUSH_MODE_HTTP_WORKERS", 1, _positive_int, doc="front-end processes (<= 8)")
     # parallelism
-    mp_num: int = _setting("MP_NUM", 1, _positive_int, doc="tensor-parallel degree")
-    mp_nnode: int = _setting("MP_NNODE", 1, _positive_int, doc="nodes")
-    pod_ips: str = _setting("POD_IPS", "", _str, doc="comma-separated IPs of the nodes (multi-node)")
-    pod_0_ip: str = _setting("POD_0_IP", "", _str, doc="IP of the first (master) node")
+    mp_num: int = _setting("MP_NUM", 1, _positive_int, doc="tensor-parallel degree: ranks over all nodes, one per GPU")
+    mp_nnode: int = _setting("MP_NNODE", 1, _positive_int, doc="nodes (MP_NUM / MP_NNODE ranks on each)")
+    pod_ips: str = _setting("POD_IPS", "", _str, doc="comma-separated IPs of the nodes, node 0 first (multi-node)")
+    pod_0_ip: str = _setting("POD_0_IP", "", _str, doc="IP of node 0, which serves (default: the first of POD_IPS)")
+    node_rank: int | None = _setting(
+        "NODE_RANK", None, _opt_nonneg_int, doc="this node's index in POD_IPS (unset: the one holding this host's IP)"
+    )
+    dist_port: int = _setting(
+        "DIST_PORT", 8730, _port, doc="MP_NUM > 1: rendezvous port of the ranks (torch.distributed's store, on node 0)"
+    )
+    dist_timeout: float = _setting(
+        "DIST_TIMEOUT", 300.0, _float, doc="seconds the ranks wait for each other at start (then: an error naming who)"
+    )
     # limits and scheduling
     max_seq_len: int = _setting("MAX_SEQ_LEN", 8192, _positive_int, doc="reject longer inputs")
     max_dec_len: int = _setting("MAX_DEC_LEN", 1024, _positive_int, doc="reject larger max/min_dec_len")
@@ -304,17 +322,22 @@ class Config:
             errors.append(f"LLMSERVE_RUNNER={self.runner!r}: expected auto, paddle or torch")
         if self.device not in ("auto", "cpu", "cuda"):
             errors.append(f"LLMSERVE_DEVICE={self.device!r}: expected auto, cpu or cuda")
-        if self.mp_num > 1:
-            errors.append(f"MP_NUM={self.mp_num}: tensor parallelism is not supported yet (use 1)")
-        ips = [ip.strip() for ip in self.pod_ips.split(",") if ip.strip()]
+        if self.mp_num % self.mp_nnode:
+            errors.append(f"MP_NUM={self.mp_num}: must be a multiple of MP_NNODE={self.mp_nnode} (ranks per node)")
+        if self.mp_num > 1 and self.speculate_method in ("draft", "mtp"):
+            errors.append(
+                f"SPECULATE_METHOD={self.speculate_method} with MP_NUM={self.mp_num}: not sharded yet (ngram is)"
+            )
+        ips = self.node_ips
         if self.mp_nnode > 1:
-            # Multi-node serving needs every node's address; one engine process per node is not built yet.
             if len(ips) != self.mp_nnode:
                 errors.append(f"POD_IPS={self.pod_ips!r}: MP_NNODE={self.mp_nnode} needs that many IPs")
             elif self.pod_0_ip and self.pod_0_ip != ips[0]:
                 errors.append(f"POD_0_IP={self.pod_0_ip!r}: must be the first of POD_IPS ({ips[0]})")
-            else:
-                errors.append(f"MP_NNODE={self.mp_nnode}: multi-node serving is not supported yet (use 1)")
+        if self.node_rank is not None and self.node_rank >= self.mp_nnode:
+            errors.append(f"NODE_RANK={self.node_rank}: must be below MP_NNODE={self.mp_nnode}")
+        if not self.dist_timeout > 0:
+            errors.append(f"DIST_TIMEOUT={self.dist_timeout}: must be a positive number of seconds")
         if self.check_health_interval <= 0:
             errors.append(f"CHECK_HEALTH_INTERVAL={self.check_health_interval}: must be positive")
         if self.long_prefill_tokens < 0:
@@ -360,6 +383,10 @@ class Config:
             v = getattr(self, f.name)
             env[f.metadata["env"]] = "" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
         return env
+
+    @property
+    def node_ips(self) -> list[str]:
+        return [ip.strip() for ip in self.pod_ips.split(",") if ip.strip()]
 
     @property
     def cache_path(self) -> Path:

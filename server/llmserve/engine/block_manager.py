@@ -144,7 +144,9 @@ class BlockManager:
             assert block.ref_count == 0 and block.hash is None, f"block {bid} is shared or hashed"
             self._free[bid] = None
             self._free.move_to_end(bid, last=False)  # nothing cached in it: hand it out first
-        del req.block_table[keep:]
+        if keep < len(req.block_table):
+            del req.block_table[keep:]
+            req.num_table_trims += 1
 
     def free(self, req: Request) -> None:
         # Reversed: the tail of a sequence is the least likely to be shared, so it is reused first.
@@ -155,6 +157,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self._free[bid] = None
         req.block_table = []
+        req.num_table_trims += 1
         req.block_hashes = []
         req.num_computed_tokens = 0
 

@@ -64,6 +64,10 @@ def load_model(config: Config):
         from llmserve.runners.paddle.runner import PaddleRunner
 
         runner = PaddleRunner(str(model_dir), config, Sampler(config.seed))
+    elif config.mp_num > 1:  # rank 0 of a tensor-parallel group: the engine drives its executor
+        from llmserve.dist.executor import start_executor
+
+        runner = start_executor(str(model_dir), config)
     else:
         from llmserve.runners.torch.runner import TorchRunner
 

@@ -45,6 +45,7 @@ class Request:
     num_cached_tokens: int = 0  # of the prompt, served by the prefix cache
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # of the leading full blocks, for prefix caching
+    num_table_trims: int = 0  # times block_table shrank (freed, rolled back): other ranks resend it whole
     num_preemptions: int = 0
     # Tokens proposed to follow its last one (speculative decoding), verified in its next step.
     draft_token_ids: list[int] = field(default_factory=list)

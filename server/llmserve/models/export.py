@@ -6,6 +6,7 @@ Output directory (docs/model_format.md):
     tokenizer files             copied from the checkpoint (export_random keeps what is there)
     rank_0/model.json           the paged PIR program (`llama_paddle.build_paged_program`)
     rank_0/model.pdiparams      its weights, float32, Paddle [in, out] layout, q/k/v and gate/up fused
+With mp > 1 (export_mp.py): rank_0 ... rank_{mp-1}, each with a tp.json, and rank_mapping.csv.
 Safetensors are read with numpy alone (no torch), bf16/fp16 widened to float32.
 """
 
@@ -14,16 +15,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import mmap
+import re
 import shutil
 import struct
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import paddle
 
 from llmserve.models.config import ModelConfig
+from llmserve.models.export_mp import check_mp, rank_shards, write_rank_files, write_rank_mapping
 from llmserve.models.layout import detect_model_format  # noqa: F401 - re-exported for callers
-from llmserve.models.llama_paddle import build_paged_program, param_shapes, random_weights
+from llmserve.models.llama_paddle import LlamaPaddle, build_paged_program, param_shapes, random_weights
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
 _ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
@@ -121,17 +125,25 @@ def load_hf_weights(hf_dir: str | Path, cfg: ModelConfig) -> dict[str, np.ndarra
     return out
 
 
-def save_static(cfg: ModelConfig, weights: dict[str, np.ndarray], out_dir: str | Path) -> Path:
-    """Trace the paged graph, load `weights` into it and save rank_0/model.json + model.pdiparams."""
+def save_static(
+    cfg: ModelConfig,
+    weights: dict[str, np.ndarray],
+    out_dir: str | Path,
+    rank: int = 0,
+    model: Callable[[ModelConfig, dict], LlamaPaddle] = LlamaPaddle,
+) -> Path:
+    """Trace the paged graph of `model`, load `weights` into it and save rank_{rank}/model.json + model.pdiparams.
+
+    For one rank of a sharded export, `cfg` is that rank's local config (export_mp.RankShard)."""
     shapes = param_shapes(cfg)
     for name, shape in shapes.items():
         if list(weights[name].shape) != shape:
             raise ValueError(f"weight {name}: shape {list(weights[name].shape)}, expected {shape}")
-    prefix = Path(out_dir) / "rank_0" / "model"
+    prefix = Path(out_dir) / f"rank_{rank}" / "model"
     was_dynamic = paddle.in_dynamic_mode()
     paddle.enable_static()
     try:
-        main, startup, feeds, logits = build_paged_program(cfg)
+        main, startup, feeds, logits = build_paged_program(cfg, model)
         scope, place = paddle.static.Scope(), paddle.CPUPlace()
         with paddle.static.scope_guard(scope):
             exe = paddle.static.Executor(place)
@@ -154,21 +166,41 @@ def _write_config(cfg: ModelConfig, out_dir: Path) -> None:
     (out_dir / "config.json").write_text(json.dumps(cfg32.to_hf_dict(), indent=2, sort_keys=True) + "\n")
 
 
-def export_weights(cfg: ModelConfig, weights: dict[str, np.ndarray], out_dir: str | Path) -> Path:
-    """config.json + rank_0/ for the given weights (in `param_shapes` layout); other files are kept."""
+def _remove_stale_ranks(out: Path, mp: int) -> None:
+    """Drop rank dirs of an earlier export with more ranks: the runner counts rank_* to check MP_NUM."""
+    for d in out.glob("rank_*"):
+        m = re.fullmatch(r"rank_(\d+)", d.name)
+        if m and int(m.group(1)) >= mp and d.is_dir():
+            shutil.rmtree(d)
+    if mp == 1:
+        (out / "rank_mapping.csv").unlink(missing_ok=True)
+        (out / "rank_0" / "tp.json").unlink(missing_ok=True)
+
+
+def export_weights(cfg: ModelConfig, weights: dict[str, np.ndarray], out_dir: str | Path, mp: int = 1) -> Path:
+    """config.json + rank_0/ (rank_0 ... rank_{mp-1}/ with mp > 1) for the given full weights (in
+    `param_shapes` layout); other files are kept."""
+    check_mp(cfg, mp)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_static(cfg, weights, out)
+    _remove_stale_ranks(out, mp)
+    if mp == 1:
+        save_static(cfg, weights, out)
+    else:
+        for shard in rank_shards(cfg, mp):
+            save_static(shard.local_config(), shard.shard_weights(weights), out, shard.rank, shard.model())
+            write_rank_files(out, shard)
+        write_rank_mapping(out, mp)
     _write_config(cfg, out)
     return out
 
 
-def export_random(model_config: ModelConfig, out_dir: str | Path, seed: int = 0) -> Path:
+def export_random(model_config: ModelConfig, out_dir: str | Path, seed: int = 0, mp: int = 1) -> Path:
     """A model with seeded random weights; files are identical byte for byte for the same seed.
 
-    Files already in out_dir (tokenizer) are kept.
+    Files already in out_dir (tokenizer) are kept. mp > 1: sharded over mp ranks (export_mp.py).
     """
-    out = export_weights(model_config, random_weights(model_config, seed), out_dir)
+    out = export_weights(model_config, random_weights(model_config, seed), out_dir, mp)
     gen = out / "generation_config.json"
     if not gen.exists():
         eos = list(model_config.eos_token_ids)
@@ -177,13 +209,16 @@ def export_random(model_config: ModelConfig, out_dir: str | Path, seed: int = 0)
     return out
 
 
-def export_hf(hf_dir: str | Path, out_dir: str | Path) -> Path:
-    """Export a HF Llama/Qwen2 safetensors checkpoint; tokenizer and generation config are copied."""
+def export_hf(hf_dir: str | Path, out_dir: str | Path, mp: int = 1) -> Path:
+    """Export a HF Llama/Qwen2 safetensors checkpoint; tokenizer and generation config are copied.
+
+    mp > 1: one graph per rank, sharded Megatron style (export_mp.py)."""
     src, out = Path(hf_dir), Path(out_dir)
     raw = json.loads((src / "config.json").read_text())
     _check_supported(raw)
     cfg = ModelConfig.from_dict(raw)
-    export_weights(cfg, load_hf_weights(src, cfg), out)
+    check_mp(cfg, mp)  # before reading the weights
+    export_weights(cfg, load_hf_weights(src, cfg), out, mp)
     for f in src.iterdir():
         if f.is_file() and f.name != "config.json" and not f.name.endswith(WEIGHT_SUFFIXES + (".index.json",)):
             shutil.copy2(f, out / f.name)

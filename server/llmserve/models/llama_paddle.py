@@ -15,6 +15,7 @@ Weights use Paddle's [in, out] layout with q/k/v and gate/up fused (see `param_s
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import paddle
@@ -122,14 +123,22 @@ class LlamaPaddle:
         kv_heads = self.cfg.num_key_value_heads
         return self._rope(q, cos, sin, self.cfg.num_attention_heads), self._rope(k, cos, sin, kv_heads), v
 
+    # Tensor-parallel hooks (models/export_mp.py overrides them): identities for one rank.
+    def _all_reduce(self, x):
+        return x
+
+    def _embed(self, ids):
+        return paddle.gather(self.p["embed_tokens.weight"], ids)
+
     def _o_proj(self, i: int, attn):
-        out = paddle.matmul(attn, self.p[f"layers.{i}.self_attn.o_proj.weight"])
+        out = self._all_reduce(paddle.matmul(attn, self.p[f"layers.{i}.self_attn.o_proj.weight"]))
         bias = self.p.get(f"layers.{i}.self_attn.o_proj.bias")
         return out if bias is None else out + bias
 
     def _mlp(self, i: int, x):
         gate, up = paddle.split(paddle.matmul(x, self.p[f"layers.{i}.mlp.gate_up_proj.weight"]), 2, axis=-1)
-        return paddle.matmul(paddle.nn.functional.silu(gate) * up, self.p[f"layers.{i}.mlp.down_proj.weight"])
+        down = paddle.matmul(paddle.nn.functional.silu(gate) * up, self.p[f"layers.{i}.mlp.down_proj.weight"])
+        return self._all_reduce(down)
 
     def _logits(self, h):
         h = self._norm(h, "norm.weight")
@@ -167,7 +176,7 @@ class LlamaPaddle:
             o = paddle.matmul(paddle.nn.functional.softmax(s, axis=-1), paddle.transpose(vh, [1, 0, 2]))
             return paddle.reshape(paddle.transpose(o, [1, 0, 2]), [t, heads * d])
 
-        h = self._layers(paddle.gather(self.p["embed_tokens.weight"], ids), cos, sin, attend)
+        h = self._layers(self._embed(ids), cos, sin, attend)
         return self._logits(h), keys, values
 
     # ---- paged step --------------------------------------------------------------------
@@ -227,12 +236,12 @@ class LlamaPaddle:
             rows = self._paged_attention(q, k_cache, v_cache, row_plan)
             return paddle.gather(paddle.concat([tiles, rows], axis=0), inp["out_index"])
 
-        h = self._layers(paddle.gather(self.p["embed_tokens.weight"], inp["input_ids"]), cos, sin, attend)
+        h = self._layers(self._embed(inp["input_ids"]), cos, sin, attend)
         return self._logits(paddle.gather(h, inp["logits_index"]))
 
 
-def build_paged_program(cfg: ModelConfig):
-    """Trace `forward_paged` into a PIR program. Call in static mode.
+def build_paged_program(cfg: ModelConfig, model: Callable[[ModelConfig, dict], LlamaPaddle] = LlamaPaddle):
+    """Trace `model(cfg, params).forward_paged` into a PIR program. Call in static mode.
 
     Returns (main, startup, feed values in INPUT_SPECS + cache order, logits value).
     Parameters are created zero-initialised under their `param_shapes` names; the caller
@@ -248,5 +257,5 @@ def build_paged_program(cfg: ModelConfig):
             name: paddle.static.create_parameter(shape, "float32", name=name, default_initializer=zero)
             for name, shape in param_shapes(cfg).items()
         }
-        logits = LlamaPaddle(cfg, params).forward_paged(inp, caches)
+        logits = model(cfg, params).forward_paged(inp, caches)
     return main, startup, [*inp.values(), *caches], logits

@@ -29,6 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from llmserve.config import Config, ConfigError
+from llmserve.dist.layout import layout
 from llmserve.serving.supervisor import http_frontend_enabled
 from llmserve.triton.launcher import shm_prefix
 
@@ -49,6 +50,8 @@ def stack_ports(cfg: Config) -> dict[str, tuple[int, str]]:
         ports["TRITON_METRICS_PORT"] = (cfg.triton_metrics_port, cfg.host)
     if http_frontend_enabled(cfg):
         ports["SERVICE_HTTP_PORT"] = (cfg.service_http_port, cfg.host)
+    if cfg.mp_num > 1:  # rank 0's rendezvous store
+        ports["DIST_PORT"] = (cfg.dist_port, cfg.pod_0_ip or (cfg.node_ips or ["127.0.0.1"])[0])
     return ports
 
 
@@ -147,6 +150,13 @@ def start() -> int:
     except ConfigError as e:
         print(f"start_server: {e}", file=sys.stderr)
         return 2
+    node = 0
+    if cfg.mp_nnode > 1:
+        try:
+            node = layout(cfg).node
+        except ConfigError as e:
+            print(f"start_server: {e}", file=sys.stderr)
+            return 2
     log_dir = Path(cfg.log_dir)
     run_file = log_dir / RUN_FILE
     if run_file.exists():
@@ -154,7 +164,7 @@ def start() -> int:
         if _alive(pid):
             print(f"start_server: already running (pid {pid}); run stop_server.sh first", file=sys.stderr)
             return 2
-    problems = port_problems(cfg)
+    problems = port_problems(cfg) if node == 0 else []  # other nodes listen on nothing
     if problems:
         for p in problems:
             print(f"start_server: {p}", file=sys.stderr)
@@ -172,6 +182,8 @@ def start() -> int:
         where = e.filename or log_dir
         print(f"start_server: cannot write to LOG_DIR={log_dir} ({where}: {e.strerror or e})", file=sys.stderr)
         return 2
+    if node != 0:
+        return _start_worker_node(cfg, node, run_file, out)
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmserve.serving.supervisor"],
         stdin=subprocess.DEVNULL,
@@ -217,6 +229,32 @@ def start() -> int:
     return 0
 
 
+def _start_worker_node(cfg: Config, node: int, run_file: Path, out) -> int:
+    """A node other than 0 runs only its ranks (dist/node.py), which wait for node 0's rank 0."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmserve.dist.node"],
+        stdin=subprocess.DEVNULL,
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    run_file.write_text(json.dumps({"pid": proc.pid, "shm_prefix": "", "health_port": None}))
+    time.sleep(1.0)  # a launcher that cannot even start says so now, not later
+    if proc.poll() is not None:
+        print(f"start_server: node {node}'s launcher exited (code {proc.returncode}); see its log", file=sys.stderr)
+        stop(cfg)
+        return 1
+    lay = layout(cfg)
+    ranks = list(lay.node_ranks())
+    print(
+        f"llmserve node {node} started (pid {proc.pid}, logs: {'console' if cfg.output_log_to_console else cfg.log_dir})"
+    )
+    print(
+        f"  ranks {ranks[0]}..{ranks[-1]} of MP_NUM={cfg.mp_num}; they serve through node 0 at {lay.master}:{lay.port}"
+    )
+    return 0
+
+
 def _stop_settings() -> tuple[Config, int]:
     """The settings stop needs, and its exit code: 0, or 2 after naming what is bad. A bad setting must not
     keep the stack running: stop goes on with LOG_DIR as given and the default in place of every bad value."""
@@ -256,8 +294,9 @@ def stop(cfg: Config | None = None) -> int:
         deadline = time.monotonic() + 5
         while _group_members(pid) and time.monotonic() < deadline:
             time.sleep(0.05)
-    for f in Path("/dev/shm").glob(f"{info['shm_prefix']}*"):
-        f.unlink(missing_ok=True)
+    if info["shm_prefix"]:  # a worker node has none
+        for f in Path("/dev/shm").glob(f"{info['shm_prefix']}*"):
+            f.unlink(missing_ok=True)
     run_file.unlink(missing_ok=True)
     print(f"llmserve stopped (pid {pid})")
     return code

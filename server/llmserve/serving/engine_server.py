@@ -340,9 +340,15 @@ class EngineServer:
         self.finished, self.failed, self.d_spec = [], [], None
 
     def _shutdown(self) -> None:
-        for req_id in list(self.live):
-            lv = self._end(req_id)
-            self._reject(lv.client, req_id, native.NOT_READY, "the server is shutting down")
+        if self.core.alive():
+            for req_id in list(self.live):
+                lv = self._end(req_id)
+                self._reject(lv.client, req_id, native.NOT_READY, "the server is shutting down")
+        else:  # nothing to abort (a send to its PAIR socket would wait for ever): fail what it held at once
+            for lv in list(self.live.values()):
+                self._forget(lv)
+                msg = "the engine core exited (restarting); the request was lost"
+                self._reject(lv.client, lv.req.req_id, native.INTERNAL, msg)
         self._flush()
         self.sock.close(linger=500)
         self.core.close()

@@ -19,7 +19,9 @@ from pathlib import Path
 from llmserve.serving.control import RUN_FILE
 
 ROOT = Path(__file__).resolve().parents[3]
-PORT_VARS = ("HEALTH_HTTP_PORT", "SERVICE_GRPC_PORT", "METRICS_HTTP_PORT", "INTER_PROC_PORT", "TRITON_METRICS_PORT")
+PORT_VARS = (
+    "HEALTH_HTTP_PORT", "SERVICE_GRPC_PORT", "METRICS_HTTP_PORT", "INTER_PROC_PORT", "TRITON_METRICS_PORT", "DIST_PORT"
+)  # fmt: skip
 
 
 def _ephemeral_low() -> int:

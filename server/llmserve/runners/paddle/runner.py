@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -32,6 +33,45 @@ from llmserve.runners.paddle.inputs import build_step_inputs
 from llmserve.runners.paddle.opcheck import check_kernels
 
 GIB = 1 << 30
+TORCH_HINT = "Serve the Hugging Face checkpoint with the torch runner (LLMSERVE_RUNNER=torch)"
+
+
+def rank_dirs(model_dir: Path) -> list[str]:
+    """The export's rank_<k> directories, in rank order (one static graph per tensor-parallel rank)."""
+    ranks = [d for d in model_dir.glob("rank_*") if d.is_dir() and re.fullmatch(r"rank_\d+", d.name)]
+    return [d.name for d in sorted(ranks, key=lambda d: int(d.name[5:]))]
+
+
+def _span(n: int) -> str:
+    return "rank_0" if n == 1 else f"rank_0 ... rank_{n - 1}"
+
+
+def check_ranks(model_dir: Path, config: Config) -> None:
+    """MP_NUM against the export's rank dirs and this Paddle build: one message, before anything loads."""
+    mp, ranks = config.mp_num, rank_dirs(model_dir)
+    if mp == len(ranks) == 1:
+        return
+    problems = []
+    if len(ranks) != mp:
+        problems.append(f"MP_NUM={mp} but {model_dir} holds {len(ranks)} rank graph(s) ({', '.join(ranks) or 'none'})")
+    if mp == 1:
+        problems.append(
+            f"the Paddle runner serves one-rank exports: re-export with `llmserve export --mp 1`. {TORCH_HINT}"
+        )
+    # paddle.inference creates the graphs' communicator (rank_mapping.csv) on GPU builds only, over NCCL.
+    elif not (paddle.is_compiled_with_cuda() and paddle.base.core.is_compiled_with_nccl()):
+        problems.append(
+            f"MP_NUM={mp}: the Paddle runner's per-rank static graphs ({_span(mp)}) need a Paddle build with "
+            f"collective ops (GPU/NCCL); this Paddle ({paddle.__version__}) is a CPU build. {TORCH_HINT}, "
+            "which runs MP_NUM ranks over gloo on CPU"
+        )
+    else:  # one predictor per rank with dist_config: not written, as nothing here could test it
+        where = " (LLMSERVE_DEVICE=cpu asks for CPU)" if config.device == "cpu" else ""
+        problems.append(
+            f"MP_NUM={mp}: serving per-rank static graphs ({_span(mp)}) is not implemented in the Paddle "
+            f"runner for this GPU build{where}. {TORCH_HINT}"
+        )
+    raise ValueError("; ".join(problems))
 
 
 def mem_available() -> int:
@@ -87,8 +127,8 @@ class PaddleRunner(ModelRunner):
                 "(rank_0/model.json + model.pdiparams): export it with llmserve.models.export.export_hf "
                 "or use the torch runner"
             )
-        unsupported = [f"MP_NUM={config.mp_num} (tensor parallel)"] if config.mp_num > 1 else []
-        unsupported += ["USE_CACHE_KV_INT8=1"] if config.use_cache_kv_int8 else []
+        check_ranks(self.model_dir, config)
+        unsupported = ["USE_CACHE_KV_INT8=1"] if config.use_cache_kv_int8 else []
         unsupported += [f"KV_CACHE_DTYPE={config.kv_cache_dtype}"] if config.kv_cache_dtype != "auto" else []
         # A Paddle export runs its graph's own ops: quantizing it means exporting a quantized graph.
         unsupported += [f"QUANT_TYPE={config.quant_type}"] if config.quant_type else []

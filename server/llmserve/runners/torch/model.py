@@ -28,7 +28,8 @@ from .kernels.norm import rms_norm
 from .kernels.rotary import rope_and_cache, rope_cos_sin
 from .kv_cache import KVCache, LayerKV
 from .linear import Linear
-from .quant.methods import LinearMethod, load_linear
+from .parallel import SINGLE, Shard, TensorParallel, embed
+from .quant.methods import LinearMethod, Split, load_linear
 
 
 @dataclass
@@ -64,27 +65,41 @@ class _Reader:
     def has(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str) -> torch.Tensor:
-        """The tensor on the device, in the model's dtype."""
-        return self.raw(name).to(self.dtype)
+    def get(self, name: str, split: Split | None = None) -> torch.Tensor:
+        """The tensor on the device, in the model's dtype (of a split, only those rows / columns)."""
+        return self.raw(name, split).to(self.dtype)
 
-    def raw(self, name: str) -> torch.Tensor:
-        """The tensor on the device, in the checkpoint's dtype (quantized weights, their scales)."""
+    def raw(self, name: str, split: Split | None = None) -> torch.Tensor:
+        """The tensor on the device, in the checkpoint's dtype (quantized weights, their scales). With a
+        split, only its rows (dim 0) or columns (dim 1) are read from the file."""
         if name not in self.where:
             raise KeyError(f"weight {name!r} not found in the checkpoint")
-        return self.handles[self.where[name]].get_tensor(name).to(self.device)
+        h = self.handles[self.where[name]]
+        if split is None:
+            return h.get_tensor(name).to(self.device)
+        dim, lo, hi = split
+        s = h.get_slice(name)
+        t = s[lo:hi] if dim == 0 else s[:, lo:hi]
+        return t.contiguous().to(self.device)
 
 
-def load_layer(r: _Reader, p: str, method: LinearMethod) -> LayerWeights:
-    """One decoder layer's weights under prefix `p` (e.g. "model.layers.3."), q/k/v and gate/up fused."""
+def load_layer(r: _Reader, p: str, method: LinearMethod, shard: Shard | None = None) -> LayerWeights:
+    """One decoder layer's weights under prefix `p` (e.g. "model.layers.3."), q/k/v and gate/up fused;
+    with a shard of several ranks, this rank's rows of q/k/v and gate/up and columns of o and down
+    (parallel.py)."""
     a, m = p + "self_attn.", p + "mlp."
+    q = kv = mlp = o = down = None
+    if shard is not None and shard.tp.size > 1:
+        q, kv, mlp = (0, *shard.q_rows()), (0, *shard.kv_rows()), (0, *shard.mlp_rows())
+        o, down = (1, *shard.q_rows()), (1, *shard.mlp_rows())
+    row_parallel_bias = shard is None or shard.tp.rank == 0  # added once, not once per rank
     return LayerWeights(
         in_norm=r.get(p + "input_layernorm.weight"),
-        qkv=load_linear(method, r, a + "q_proj.", a + "k_proj.", a + "v_proj."),
-        o=load_linear(method, r, a + "o_proj."),
+        qkv=load_linear(method, r, (a + "q_proj.", q), (a + "k_proj.", kv), (a + "v_proj.", kv)),
+        o=load_linear(method, r, (a + "o_proj.", o), bias=row_parallel_bias),
         post_norm=r.get(p + "post_attention_layernorm.weight"),
-        gate_up=load_linear(method, r, m + "gate_proj.", m + "up_proj."),
-        down=load_linear(method, r, m + "down_proj."),
+        gate_up=load_linear(method, r, (m + "gate_proj.", mlp), (m + "up_proj.", mlp)),
+        down=load_linear(method, r, (m + "down_proj.", down), bias=row_parallel_bias),
     )
 
 
@@ -97,22 +112,27 @@ class DecoderModel:
         dtype: torch.dtype,
         max_positions: int,
         method: LinearMethod | None = None,
+        tp: TensorParallel = SINGLE,
     ) -> None:
-        self.cfg = cfg
+        self.cfg = cfg  # the whole model's; `local` is this rank's share (parallel.py)
+        self.shard = Shard(cfg, tp)
+        self.tp = tp
+        self.local = local = self.shard.local_config
         self.device, self.dtype = device, dtype
         self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads,
-            cfg.num_key_value_heads,
-            cfg.head_dim,
+            local.num_attention_heads,
+            local.num_key_value_heads,
+            local.head_dim,
         )
         self.scale = self.head_dim**-0.5
         self.method = method or LinearMethod(dtype)
         r = _Reader(Path(model_dir), device, dtype)
-        self.embed = r.get("model.embed_tokens.weight")
-        self.layers = [load_layer(r, f"model.layers.{i}.", self.method) for i in range(cfg.num_hidden_layers)]
+        shard = self.shard if tp.size > 1 else None
+        self.embed = self._vocab_rows(r, "model.embed_tokens.weight")
+        self.layers = [load_layer(r, f"model.layers.{i}.", self.method, shard) for i in range(cfg.num_hidden_layers)]
         self.norm = r.get("model.norm.weight")
         tied = cfg.tie_word_embeddings or not r.has("lm_head.weight")
-        self.lm_head = self.embed if tied else r.get("lm_head.weight")
+        self.lm_head = self.embed if tied else self._vocab_rows(r, "lm_head.weight")
         self.cos_sin = rope_cos_sin(cfg.inv_freq(), max_positions, device)
         # bf16 on CUDA: cuBLAS writes every projection in fp32 (torch.mm's out_dtype), so an
         # activation is rounded to bf16 only where a matrix product or the KV cache needs it. Each
@@ -120,6 +140,15 @@ class DecoderModel:
         # function on the 8B shape) at no measured speed cost: the extra bytes are activations.
         self.wide = device.type == "cuda" and dtype != torch.float32
         self.out_dtype = torch.float32 if self.wide else dtype
+
+    def _vocab_rows(self, r: _Reader, name: str) -> torch.Tensor:
+        """The embedding / LM head rows this rank holds, zero-padded to ceil(V / N) (parallel.py)."""
+        if self.tp.size == 1:
+            return r.get(name)
+        lo, hi = self.shard.vocab_rows()
+        t = r.get(name, (0, lo, hi))
+        pad = self.shard.vocab_per_rank - t.shape[0]
+        return F.pad(t, (0, 0, 0, pad)) if pad else t
 
     @property
     def weight_bytes(self) -> int:
@@ -140,7 +169,7 @@ class DecoderModel:
         """Hidden states [T, hidden] after the final norm; writes this step's K/V into `kv_cache`
         (kv_cache.py: fp16 for a bf16 model, or int8 / FP8 with per-token scales)."""
         eps = self.cfg.rms_norm_eps
-        h = F.embedding(input_ids, self.embed)
+        h = embed(input_ids, self.embed, self.shard)
         # The residual stream stays in fp32: in bf16 its rounding, summed over 2 * layers
         # additions, is the largest error of a bf16 forward (a few % of the logits at 32 layers).
         residual = h.float()
@@ -172,12 +201,17 @@ class DecoderModel:
         rope_and_cache(qkv, positions, slot_mapping, self.cos_sin, k, v, H, KVH, k_scale, v_scale)
         q = qkv[:, : H * D].view(T, H, D)
         attn = paged_attention(q, k, v, meta, self.scale, self.dtype, k_scale, v_scale)
-        h = lw.o(attn.view(T, H * D), self.out_dtype)
+        h = self.tp.all_reduce(lw.o(attn.view(T, H * D), self.out_dtype))  # row-parallel: sum the ranks'
         x = rms_norm(h, lw.post_norm, self.cfg.rms_norm_eps, residual)
-        return lw.down(swiglu(lw.gate_up(x, self.out_dtype), self.dtype), self.out_dtype)
+        return self.tp.all_reduce(lw.down(swiglu(lw.gate_up(x, self.out_dtype), self.dtype), self.out_dtype))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """With `wide`, written in fp32 by cuBLAS instead of rounded to bf16."""
+        """With `wide`, written in fp32 by cuBLAS instead of rounded to bf16. With several ranks, each
+        scores its rows of the vocabulary and an all-gather joins them."""
         if not self.wide:
-            return F.linear(hidden, self.lm_head).float()
-        return torch.mm(hidden, self.lm_head.t(), torch.float32)
+            out = F.linear(hidden, self.lm_head).float()
+        else:
+            out = torch.mm(hidden, self.lm_head.t(), torch.float32)
+        if self.tp.size == 1:
+            return out
+        return self.tp.all_gather_cols(out)[:, : self.cfg.vocab_size]

@@ -107,7 +107,7 @@ class MTPHead:
         r = _Reader(d, model.device, model.dtype)
         method = model.method  # the module is quantized as the trunk is (a dense tensor stays dense)
         self.w = MTPWeights(
-            r.get(p + "enorm.weight"), r.get(p + "hnorm.weight"), load_linear(method, r, p + "eh_proj."),
+            r.get(p + "enorm.weight"), r.get(p + "hnorm.weight"), load_linear(method, r, (p + "eh_proj.", None)),
             load_layer(r, p, method), r.get(p + "shared_head.norm.weight"),
         )  # fmt: skip
         # Each request's y at its last accepted position: row self.rows[req_id] of `state`.

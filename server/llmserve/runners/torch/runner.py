@@ -28,6 +28,7 @@ from .kernels.attention import AttnMeta, tile_tokens
 from .kv_cache import kv_spec_for
 from .model import DecoderModel
 from .mtp import MTPHead
+from .parallel import SINGLE, TensorParallel, check_shardable
 from .quant.methods import method_for
 from .sampler import DeviceSampler
 
@@ -67,10 +68,14 @@ class TorchRunner(ModelRunner):
     # tests check overlapped scheduling with).
     overlap = True
 
-    def __init__(self, model_dir: str, config: Config) -> None:
+    def __init__(self, model_dir: str, config: Config, tp: TensorParallel = SINGLE) -> None:
+        """`tp`: this rank of a tensor-parallel group (parallel.py): every rank builds the same runner
+        over its shard and runs every step; rank 0's result is the one used (dist/)."""
         self.config = config
+        self.tp = tp
         cfg_path = config.model_config_path or str(Path(model_dir) / "config.json")
-        self.model_config = mc = ModelConfig.from_file(cfg_path)
+        mc = ModelConfig.from_file(cfg_path)
+        check_shardable(mc, tp.size)
         self.device = pick_device(config)
         cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if cuda else torch.float32
@@ -81,7 +86,9 @@ class TorchRunner(ModelRunner):
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
         method = method_for(model_dir, config, self.device, self.dtype)
-        self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1, method)
+        self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1, method, tp)
+        # Shapes below are this rank's (its heads, KV heads); vocabulary and layers are the model's.
+        self.model_config = mc = self.model.local
         log.info(
             "loaded %.2f GB of weights (%s) in %.1f s",
             self.model.weight_bytes / 1e9,
@@ -134,6 +141,11 @@ class TorchRunner(ModelRunner):
         return self.kv_spec.block_bytes
 
     def _size_kv_cache(self) -> int:
+        """Blocks of the KV cache: every rank sizes its own, and all take the smallest (one block
+        table serves every rank)."""
+        return self.tp.all_min(self._kv_blocks_that_fit())
+
+    def _kv_blocks_that_fit(self) -> int:
         fixed = self.config.num_kv_blocks_from_block_bs
         if fixed is not None:
             return fixed

@@ -32,6 +32,10 @@ log = logging.getLogger(__name__)
 
 GROUP = 128  # online int4: weights per scale and zero point along K
 
+# Part of a projection one rank holds (tensor parallelism, parallel.py): (0, lo, hi) its output rows
+# lo..hi (column-parallel), (1, lo, hi) its input columns lo..hi (row-parallel), in W [N, K]'s terms.
+Split = tuple[int, int, int]
+
 
 class LinearMethod:
     """Dense weights in the model's dtype (no quantization)."""
@@ -43,25 +47,65 @@ class LinearMethod:
         self.dtype = dtype
         self.dense = self if type(self) is LinearMethod else LinearMethod(dtype)
 
-    def read(self, r: _Reader, p: str) -> Linear:
-        """The projection whose tensors are named `p` + "weight" etc."""
-        return Linear(self.dense, {"weight": r.get(p + "weight")}, self._bias(r, p))
+    def read(self, r: _Reader, p: str, split: Split | None = None) -> Linear:
+        """The projection whose tensors are named `p` + "weight" etc. (of a split, that part only)."""
+        return Linear(self.dense, {"weight": r.get(p + "weight", split)}, self._bias(r, p, split))
 
-    def _bias(self, r: _Reader, p: str) -> torch.Tensor | None:
-        return r.get(p + "bias") if r.has(p + "bias") else None
+    def _bias(self, r: _Reader, p: str, split: Split | None = None) -> torch.Tensor | None:
+        """The bias (its rows under a column split; whole under a row split: load_linear keeps it on
+        one rank only)."""
+        if not r.has(p + "bias"):
+            return None
+        return r.get(p + "bias", split if split is not None and split[0] == 0 else None)
+
+    def axes(self, name: str, t: torch.Tensor) -> dict[int, tuple[int, int]]:
+        """Where W's rows (0) and columns (1) lie in canonical tensor `name`: {W dim: (tensor dim,
+        W rows or columns per entry)}; a W dim missing is not split (a per-channel scale under a
+        column split)."""
+        return {0: (0, 1), 1: (1, 1)}
+
+    def shard(self, w: dict[str, torch.Tensor], split: Split, p: str) -> dict[str, torch.Tensor]:
+        """The part `split` of a projection read whole (a quantized checkpoint: its packing is
+        converted before it is cut)."""
+        dim, lo, hi = split
+        out = {}
+        for name, t in w.items():
+            if name == "perm":  # act-order: the input permutation spans the whole K
+                if dim == 1:
+                    raise ConfigError(
+                        f"MP_NUM > 1: {p} is a GPTQ desc_act (act-order) projection split along its "
+                        "inputs (row-parallel), which this build cannot shard; use a desc_act=false checkpoint"
+                    )
+                out[name] = t
+                continue
+            where = self.axes(name, t).get(dim)
+            if where is None:
+                out[name] = t
+                continue
+            axis, per = where
+            if lo % per or (hi % per and -(-hi // per) != t.shape[axis]):
+                raise ConfigError(
+                    f"MP_NUM > 1: {p}{name} cannot be split at {'rows' if dim == 0 else 'columns'} "
+                    f"{lo}..{hi}: its {self.name} groups hold {per} each"
+                )
+            out[name] = t.narrow(axis, lo // per, -(-hi // per) - lo // per).contiguous()
+        return out
 
     def fusable(self, parts: list[dict[str, torch.Tensor]]) -> bool:
         return True
 
-    def _read_checkpoint(self, r: _Reader, p: str) -> Linear:
+    def _read_checkpoint(self, r: _Reader, p: str, split: Split | None) -> Linear:
         """A projection of a quantized checkpoint in its canonical form (formats.to_canonical); one the
-        tool left unquantized (no quantized tensors) is read by the dense method."""
+        tool left unquantized (no quantized tensors) is read by the dense method. Read whole and cut
+        after conversion (its packing differs per tool)."""
         names = formats.tensor_names(self.spec, p)
         c = formats.to_canonical(self.spec, {role: r.raw(n) for role, n in names.items() if r.has(n)})
         if set(c) == {"weight", "bias"}:
-            return self.dense.read(r, p)
+            return self.dense.read(r, p, split)
         w = {k: v for k, v in c.items() if k in self.n_dim or (k == "perm" and v is not None)}
-        return Linear(self, w, self._bias(r, p))
+        if split is not None:
+            w = self.shard(w, split, p)
+        return Linear(self, w, self._bias(r, p, split))
 
     def apply(
         self, w: dict[str, torch.Tensor], x: torch.Tensor, bias: torch.Tensor | None, out_dtype: torch.dtype
@@ -79,9 +123,9 @@ class W8(LinearMethod):
     name = "weight_only_int8"
     n_dim = {"qweight": 0, "scale": 0}
 
-    def read(self, r: _Reader, p: str) -> Linear:
-        qweight, scale = formats.quantize_w8(r.raw(p + "weight").float())
-        return Linear(self, {"qweight": qweight, "scale": scale}, self._bias(r, p))
+    def read(self, r: _Reader, p: str, split: Split | None = None) -> Linear:
+        qweight, scale = formats.quantize_w8(r.raw(p + "weight", split).float())
+        return Linear(self, {"qweight": qweight, "scale": scale}, self._bias(r, p, split))
 
     def apply(self, w, x, bias, out_dtype):
         return w8a16_linear(x, w["qweight"], w["scale"], bias, out_dtype)
@@ -100,17 +144,21 @@ class W4(LinearMethod):
         if spec is not None:
             self.name = spec.method
 
-    def read(self, r: _Reader, p: str) -> Linear:
+    def read(self, r: _Reader, p: str, split: Split | None = None) -> Linear:
         if self.spec is None:
-            W = r.raw(p + "weight").float()
+            W = r.raw(p + "weight", split).float()
             if W.shape[1] % self.group_size:
+                of_rank = " on each rank (MP_NUM)" if split is not None and split[0] == 1 else ""
                 raise ConfigError(
-                    f"QUANT_TYPE=weight_only_int4: {p}weight has {W.shape[1]} inputs, not a multiple of the "
-                    f"group size {self.group_size}; use weight_only_int8"
+                    f"QUANT_TYPE=weight_only_int4: {p}weight has {W.shape[1]} inputs{of_rank}, not a multiple "
+                    f"of the group size {self.group_size}; use weight_only_int8"
                 )
             q, s, z = formats.quantize_w4(W, self.group_size)
-            return Linear(self, {"qweight": q, "scales": s, "zeros": z}, self._bias(r, p))
-        return self._read_checkpoint(r, p)
+            return Linear(self, {"qweight": q, "scales": s, "zeros": z}, self._bias(r, p, split))
+        return self._read_checkpoint(r, p, split)
+
+    def axes(self, name, t):  # [K // 8, N] packed along K; scales, zeros [K // G, N]
+        return {0: (1, 1), 1: (0, 8 if name == "qweight" else self.group_size)}
 
     def fusable(self, parts):
         perms = [p.get("perm") for p in parts]
@@ -136,11 +184,16 @@ class FP8(LinearMethod):
         if spec is not None:
             self.name = spec.method
 
-    def read(self, r: _Reader, p: str) -> Linear:
+    def read(self, r: _Reader, p: str, split: Split | None = None) -> Linear:
         if self.spec is not None:
-            return self._read_checkpoint(r, p)
-        weight, scale = formats.quantize_fp8_channel(r.raw(p + "weight").float())  # QUANT_TYPE=fp8, at load
-        return Linear(self, {"weight": weight, "scale": scale}, self._bias(r, p))
+            return self._read_checkpoint(r, p, split)
+        weight, scale = formats.quantize_fp8_channel(r.raw(p + "weight", split).float())  # QUANT_TYPE=fp8
+        return Linear(self, {"weight": weight, "scale": scale}, self._bias(r, p, split))
+
+    def axes(self, name, t):
+        if name == "weight":
+            return {0: (0, 1), 1: (1, 1)}
+        return {0: (0, 1)} if t.dim() == 1 else {0: (0, self.block), 1: (1, self.block)}  # channel / block
 
     def fusable(self, parts):  # a block of scales must not span two projections
         return not self.block or all(p["weight"].shape[0] % self.block == 0 for p in parts[:-1])
@@ -149,10 +202,15 @@ class FP8(LinearMethod):
         return fp8_linear(x, w["weight"], w["scale"], self.block, bias, out_dtype)
 
 
-def load_linear(method: LinearMethod, r: _Reader, *prefixes: str) -> Linear:
-    """One layer over the projections named by `prefixes` (e.g. q_proj., k_proj., v_proj.), fused
-    along the output dimension where the method allows it."""
-    parts = [method.read(r, p) for p in prefixes]
+def load_linear(method: LinearMethod, r: _Reader, *projections: tuple[str, Split | None], bias: bool = True) -> Linear:
+    """One layer over the projections named by their prefixes (e.g. q_proj., k_proj., v_proj.), each
+    read whole or its split only, fused along the output dimension where the method allows it.
+    `bias=False` drops the bias (a row-parallel layer adds it on one rank only)."""
+    prefixes = [p for p, _ in projections]
+    parts = [method.read(r, p, split) for p, split in projections]
+    if not bias:
+        for part in parts:
+            part.bias = None
     if len(parts) == 1:
         return parts[0]
     m = parts[0].method

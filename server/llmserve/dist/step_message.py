@@ -1,0 +1,82 @@
+"""The step message: what rank 0 sends the other ranks of a tensor-parallel group each step.
+
+Rank 0 schedules; every rank runs the same step over its shard (parallel.py). A request is sent
+once, when a step first holds it (prompt, sampling parameters, stop ids); after that a step carries
+only what changed: per chunk its position and length, the request's output tokens since the last
+message (PENDING for those in flight, filled in on each rank's device from its own last tokens,
+which are every rank's), and its block table's new entries (the whole table again after it shrank:
+a preemption or a speculative rollback). The workers keep a mirror `Request` per req_id and drop it
+when rank 0 says the request left.
+
+msgpack map: {"new": [[req_id, prompt ids, params, eos ids], ...],
+              "chunks": [[req_id, start, num_tokens, sample, new outputs, keep, table tail, drafts,
+                          prompt_logprobs], ...],
+              "left": [req_id, ...]}
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from llmserve.engine.request import Request
+from llmserve.engine.sampling_params import SamplingParams
+from llmserve.runners.base import SeqChunk, StepBatch
+from llmserve.serving.ipc import dumps, loads
+
+
+@dataclass
+class _Sent:
+    outputs: int = 0  # output tokens the workers hold
+    table: int = 0  # block-table entries they hold
+    trims: int = 0  # the request's num_table_trims when they were sent
+
+
+class StepEncoder:
+    """Rank 0's side: what the workers know of each request, and the message of a step."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, _Sent] = {}
+
+    def encode(self, batch: StepBatch) -> bytes:
+        new, chunks = [], []
+        for c in batch.chunks:
+            req = c.request
+            s = self.sent.get(req.req_id)
+            if s is None:
+                s = self.sent[req.req_id] = _Sent(trims=req.num_table_trims)
+                params = dataclasses.asdict(req.params)
+                new.append([req.req_id, req.prompt_token_ids, params, sorted(req.eos_token_ids)])
+            outs = req.output_token_ids[s.outputs :]
+            s.outputs += len(outs)
+            keep = 0 if req.num_table_trims != s.trims else min(s.table, len(req.block_table))
+            tail = req.block_table[keep:]
+            s.table, s.trims = len(req.block_table), req.num_table_trims
+            chunks.append(
+                [req.req_id, c.start, c.num_tokens, c.sample, outs, keep, tail, c.draft_token_ids, c.prompt_logprobs]
+            )
+        for req_id in batch.finished_req_ids:
+            self.sent.pop(req_id, None)
+        return dumps({"new": new, "chunks": chunks, "left": batch.finished_req_ids})
+
+
+class StepDecoder:
+    """A worker's side: mirror requests, and each message turned back into the step it describes."""
+
+    def __init__(self) -> None:
+        self.requests: dict[str, Request] = {}
+
+    def decode(self, raw: bytes) -> StepBatch:
+        msg = loads(raw)
+        for req_id, prompt, params, eos in msg["new"]:
+            self.requests[req_id] = Request(req_id, prompt, SamplingParams(**params), frozenset(eos))
+        chunks = []
+        for req_id, start, n, sample, outs, keep, tail, drafts, plp in msg["chunks"]:
+            req = self.requests[req_id]
+            req.output_token_ids.extend(outs)
+            del req.block_table[keep:]
+            req.block_table.extend(tail)
+            chunks.append(SeqChunk(req, start, n, sample, drafts, plp))
+        for req_id in msg["left"]:
+            self.requests.pop(req_id, None)
+        return StepBatch(chunks, finished_req_ids=msg["left"])
