@@ -43,6 +43,18 @@ def test_stack_with_two_ranks_survives_a_killed_worker(tmp_path, llama_dir):  # 
         (new_worker,) = find(stack, "llmserve.dist.worker")
         assert new_worker != worker
         print(f"\nworker kill: requests ended {ended:.1f} s after it, serving again {back:.1f} s later")
+        # A hung worker (stopped: no heartbeat, no progress) is found out and its group restarted too.
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(stream, stack, 380, "tp-hang")
+            time.sleep(1.0)
+            os.kill(new_worker, signal.SIGSTOP)
+            t_stop = time.monotonic()
+            code, n, msg, _ = fut.result(timeout=60)
+        ended = time.monotonic() - t_stop
+        assert code != 0 and msg and ended < 20, (code, n, msg, ended)
+        back = wait_all_ok(stack, timeout=120)
+        assert find(stack, "llmserve.dist.worker") != [new_worker]
+        print(f"worker hang: request ended {ended:.1f} s after it ({msg}), serving again {back:.1f} s later")
     finally:
         stack.stop()
     assert not find_all("llmserve.dist.worker")
