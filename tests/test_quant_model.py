@@ -192,7 +192,8 @@ def test_the_whole_stack_serves_a_quantized_model(tmp_path):
 
 
 @pytest.mark.skipif(not CPU, reason="fp32 on the CPU; test_quantized_models_on_the_gpu covers the GPU")
-@pytest.mark.parametrize("kv,bound", [("int8", 2e-2), ("fp8", 8e-2)])
+# Bounds: 1.5x the largest error over 30 seeds x 2 prompts (int8 0.025, FP8 0.095; medians 0.013, 0.058).
+@pytest.mark.parametrize("kv,bound", [("int8", 4e-2), ("fp8", 0.15)])
 def test_quantized_kv_cache_serves_close_to_the_dense_model(tmp_path, kv, bound, fresh_seed):
     """Prefill and decode over an int8/FP8 cache (every attention reads the cache): logits near HF's
     over the same weights, and not equal (the cache really is quantized). Exact agreement with a

@@ -116,6 +116,36 @@ def test_quantized_layers_shard(llama_dir):
         assert 0 < err2 < bound and err2 < 3 * err1 + 1e-3, (quant, err1, err2)
 
 
+@pytest.mark.parametrize("fmt", ["gptq", "gptq-v2", "awq", "fp8-channel"])
+def test_quantized_checkpoints_shard(fmt, llama_dir, tmp_path):
+    """Each rank reads only its part of a GPTQ / AWQ / FP8 checkpoint's packed tensors: the same
+    function as one rank reading them whole (groups of 32: the o projection's 64 inputs a rank)."""
+    from tests import quant_checkpoints as qc
+
+    dst = tmp_path / fmt
+    if fmt.startswith("gptq"):
+        qc.write_gptq(llama_dir, dst, group_size=32, v2=fmt == "gptq-v2")
+    elif fmt == "awq":
+        qc.write_awq(llama_dir, dst, group_size=32)
+    else:
+        qc.write_fp8_channel(llama_dir, dst)
+    p = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    (prompt,) = prompts_for(512, 1, seed=4)
+    one, two = ([lp.logprob for lp in generate(dst, mp, [prompt], p)[0].prompt_logprobs[1:]] for mp in (1, 2))
+    assert torch.allclose(torch.tensor(two), torch.tensor(one), atol=1e-4)
+
+
+def test_act_order_and_blocks_that_straddle_ranks_are_refused(llama_dir, tmp_path):
+    from tests import quant_checkpoints as qc
+
+    qc.write_gptq(llama_dir, tmp_path / "act", group_size=32, desc_act=True)
+    with pytest.raises(ConfigError, match="desc_act"):
+        LLM(config=config(tmp_path / "act", 2))
+    qc.write_fp8_block(llama_dir, tmp_path / "block")  # 128 x 128 blocks: a rank holds 64 rows of q
+    with pytest.raises(ConfigError, match=r"weight_scale_inv cannot be split at 0..64: its fp8_block blocks hold 128"):
+        LLM(config=config(tmp_path / "block", 2))
+
+
 def test_int4_groups_that_straddle_ranks_are_refused(llama_dir):
     """The tiny model's o projection has 128 inputs: 64 a rank at MP_NUM=2, less than one group of 128."""
     with pytest.raises(ConfigError, match=r"o_proj.weight has 64 inputs on each rank \(MP_NUM\)"):

@@ -183,6 +183,37 @@ def tensor_names(spec: QuantSpec | None, prefix: str) -> dict[str, str]:
     return {r: p + r for r in (*roles, "bias")}
 
 
+def checkpoint_slice(spec: QuantSpec, role: str, split: tuple[int, int, int], p: str) -> tuple | None:
+    """The part of checkpoint tensor `role` that holds the rows (split[0] == 0) or input columns (1)
+    lo..hi of W [N, K] (tensor parallelism): (tensor dim, lo, hi) to read, or None to read it whole.
+    ConfigError where the part is not whole groups / blocks of the format."""
+    from llmserve.config import ConfigError
+
+    dim, lo, hi = split
+    G = spec.group_size if spec.group_size > 0 else 1 << 62  # one group over K: never split along K
+    B = (spec.weight_block_size or (1, 1))[0]
+    where = {  # role -> {W dim: (tensor dim, W rows / columns per entry)}
+        "gptq": {"qweight": {0: (1, 1), 1: (0, 8)}, "qzeros": {0: (1, 8), 1: (0, G)},
+                 "scales": {0: (1, 1), 1: (0, G)}, "g_idx": {1: (0, 1)}},
+        "awq": {"qweight": {0: (1, 8), 1: (0, 1)}, "qzeros": {0: (1, 8), 1: (0, G)}, "scales": {0: (1, 1), 1: (0, G)}},
+        "fp8_block": {"weight": {0: (0, 1), 1: (1, 1)}, "weight_scale_inv": {0: (0, B), 1: (1, B)}},
+        "fp8_channel": {"weight": {0: (0, 1), 1: (1, 1)}, "weight_scale": {0: (0, 1)}},
+    }[spec.method]  # fmt: skip
+    if spec.method == "gptq" and spec.desc_act and dim == 1:
+        raise ConfigError(
+            f"MP_NUM > 1: {p} is a GPTQ desc_act (act-order) projection split along its inputs "
+            "(row-parallel), which this build cannot shard; use a desc_act=false checkpoint"
+        )
+    got = where.get(role, {}).get(dim)
+    if got is None:
+        return None
+    axis, per = got
+    if lo % per or hi % per:
+        what = "groups" if per in (G, 8) else "blocks"
+        raise ConfigError(f"MP_NUM > 1: {p}{role} cannot be split at {lo}..{hi}: its {spec.method} {what} hold {per}")
+    return axis, lo // per, hi // per
+
+
 def to_canonical(spec: QuantSpec | None, t: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | None]:
     """One linear's checkpoint tensors, by tensor_names' roles, -> its canonical form:
     dense {"weight"}; gptq/awq {"qweight", "scales", "zeros", "perm"}; fp8 {"weight", "scale"};

@@ -19,7 +19,13 @@ from __future__ import annotations
 import torch
 
 # The config half (quantization_config -> QuantSpec, tensor names) lives in checkpoint_config.py.
-from .checkpoint_config import QuantSpec, parse_quantization_config, tensor_names, to_canonical  # noqa: F401
+from .checkpoint_config import (  # noqa: F401
+    QuantSpec,
+    checkpoint_slice,
+    parse_quantization_config,
+    tensor_names,
+    to_canonical,
+)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of an AWQ word holds column AWQ_ORDER[i] of its 8
 FP8_MAX = 448.0  # largest finite float8_e4m3fn

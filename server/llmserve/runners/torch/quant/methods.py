@@ -58,53 +58,24 @@ class LinearMethod:
             return None
         return r.get(p + "bias", split if split is not None and split[0] == 0 else None)
 
-    def axes(self, name: str, t: torch.Tensor) -> dict[int, tuple[int, int]]:
-        """Where W's rows (0) and columns (1) lie in canonical tensor `name`: {W dim: (tensor dim,
-        W rows or columns per entry)}; a W dim missing is not split (a per-channel scale under a
-        column split)."""
-        return {0: (0, 1), 1: (1, 1)}
-
-    def shard(self, w: dict[str, torch.Tensor], split: Split, p: str) -> dict[str, torch.Tensor]:
-        """The part `split` of a projection read whole (a quantized checkpoint: its packing is
-        converted before it is cut)."""
-        dim, lo, hi = split
-        out = {}
-        for name, t in w.items():
-            if name == "perm":  # act-order: the input permutation spans the whole K
-                if dim == 1:
-                    raise ConfigError(
-                        f"MP_NUM > 1: {p} is a GPTQ desc_act (act-order) projection split along its "
-                        "inputs (row-parallel), which this build cannot shard; use a desc_act=false checkpoint"
-                    )
-                out[name] = t
-                continue
-            where = self.axes(name, t).get(dim)
-            if where is None:
-                out[name] = t
-                continue
-            axis, per = where
-            if lo % per or (hi % per and -(-hi // per) != t.shape[axis]):
-                raise ConfigError(
-                    f"MP_NUM > 1: {p}{name} cannot be split at {'rows' if dim == 0 else 'columns'} "
-                    f"{lo}..{hi}: its {self.name} groups hold {per} each"
-                )
-            out[name] = t.narrow(axis, lo // per, -(-hi // per) - lo // per).contiguous()
-        return out
-
     def fusable(self, parts: list[dict[str, torch.Tensor]]) -> bool:
         return True
 
     def _read_checkpoint(self, r: _Reader, p: str, split: Split | None) -> Linear:
         """A projection of a quantized checkpoint in its canonical form (formats.to_canonical); one the
-        tool left unquantized (no quantized tensors) is read by the dense method. Read whole and cut
-        after conversion (its packing differs per tool)."""
-        names = formats.tensor_names(self.spec, p)
-        c = formats.to_canonical(self.spec, {role: r.raw(n) for role, n in names.items() if r.has(n)})
-        if set(c) == {"weight", "bias"}:
+        tool left unquantized (no quantized tensors) is read by the dense method. Of a split, only its
+        part of each tensor is read (formats.checkpoint_slice), then converted."""
+        names = {role: n for role, n in formats.tensor_names(self.spec, p).items() if r.has(n) and role != "bias"}
+        if set(names) == {"weight"}:
             return self.dense.read(r, p, split)
+        t = {}
+        for role, name in names.items():
+            part = formats.checkpoint_slice(self.spec, role, split, p) if split is not None else None
+            t[role] = r.raw(name, part)
+            if role == "g_idx" and part is not None:  # group numbers of the slice start at its first group
+                t[role] = t[role] - split[1] // self.spec.group_size
+        c = formats.to_canonical(self.spec, t)
         w = {k: v for k, v in c.items() if k in self.n_dim or (k == "perm" and v is not None)}
-        if split is not None:
-            w = self.shard(w, split, p)
         return Linear(self, w, self._bias(r, p, split))
 
     def apply(
@@ -157,9 +128,6 @@ class W4(LinearMethod):
             return Linear(self, {"qweight": q, "scales": s, "zeros": z}, self._bias(r, p, split))
         return self._read_checkpoint(r, p, split)
 
-    def axes(self, name, t):  # [K // 8, N] packed along K; scales, zeros [K // G, N]
-        return {0: (1, 1), 1: (0, 8 if name == "qweight" else self.group_size)}
-
     def fusable(self, parts):
         perms = [p.get("perm") for p in parts]
         if all(q is None for q in perms):
@@ -189,11 +157,6 @@ class FP8(LinearMethod):
             return self._read_checkpoint(r, p, split)
         weight, scale = formats.quantize_fp8_channel(r.raw(p + "weight", split).float())  # QUANT_TYPE=fp8
         return Linear(self, {"weight": weight, "scale": scale}, self._bias(r, p, split))
-
-    def axes(self, name, t):
-        if name == "weight":
-            return {0: (0, 1), 1: (1, 1)}
-        return {0: (0, 1)} if t.dim() == 1 else {0: (0, self.block), 1: (1, self.block)}  # channel / block
 
     def fusable(self, parts):  # a block of scales must not span two projections
         return not self.block or all(p["weight"].shape[0] % self.block == 0 for p in parts[:-1])
