@@ -575,7 +575,9 @@ def test_fields_are_honoured_or_refused_on_the_stack(stack):
     client = _client(stack)
     chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
     refused = [
-        ({"response_format": {"type": "json_object"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"extra_body": {"guided_json": {"type": "strnig"}}}, "guided_json"),  # checked where it is admitted
+        ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
@@ -666,3 +668,30 @@ def test_cached_tokens_are_reported(stack):
     again = client.completions.create(model="default", prompt=prompt, max_tokens=2)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens >= 256  # whole blocks of the same prompt
+
+
+def test_structured_output_through_the_openai_client(stack):
+    """response_format json_schema (chat, streamed and not) and guided_choice (completions) through
+    Triton and the engine: what comes back follows the schema, streamed deltas included."""
+    import jsonschema
+
+    client = _client(stack)
+    schema = {
+        "type": "object",
+        "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}, "ok": {"type": "boolean"}},
+        "required": ["n", "ok"],
+        "additionalProperties": False,
+    }
+    rf = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    chat = {"model": "default", "messages": [{"role": "user", "content": "x = "}], "max_tokens": 64}
+    r = client.chat.completions.create(**chat, response_format=rf, temperature=1.0, seed=7)
+    assert r.choices[0].finish_reason == "stop"
+    jsonschema.validate(json.loads(r.choices[0].message.content), schema)
+    chunks = client.chat.completions.create(**chat, response_format=rf, stream=True, temperature=1.0, seed=8)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    jsonschema.validate(json.loads(text), schema)
+    choices = ["alpha", "beta gamma"]
+    c = client.completions.create(
+        model="default", prompt="import ", max_tokens=16, n=4, extra_body={"guided_choice": choices}
+    )
+    assert all(x.text in choices and x.finish_reason == "stop" for x in c.choices), c.choices

@@ -380,7 +380,7 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     "path, extra, param, words",
     [
         ("/v1/completions", {"frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied"),
-        (URL, {"response_format": {"type": "json_object"}}, "response_format", "not supported"),
+        (URL, {"response_format": "json"}, "response_format", "dictionary"),
         (URL, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
         (URL, {"tool_choice": "auto"}, "tool_choice", "not supported"),
         (URL, {"functions": [{"name": "f"}]}, "functions", "not supported"),

@@ -10,7 +10,7 @@ when rank 0 says the request left.
 
 msgpack map: {"new": [[req_id, prompt ids, params, eos ids], ...],
               "chunks": [[req_id, start, num_tokens, sample, new outputs, keep, table tail, drafts,
-                          prompt_logprobs], ...],
+                          prompt_logprobs, token bitmask bytes | None (structured output)], ...],
               "left": [req_id, ...]}
 """
 
@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+
+import numpy as np
 
 from llmserve.engine.request import Request
 from llmserve.engine.sampling_params import SamplingParams
@@ -52,8 +54,9 @@ class StepEncoder:
             keep = 0 if req.num_table_trims != s.trims else min(s.table, len(req.block_table))
             tail = req.block_table[keep:]
             s.table, s.trims = len(req.block_table), req.num_table_trims
+            mask = None if c.token_bitmask is None else c.token_bitmask.tobytes()
             chunks.append(
-                [req.req_id, c.start, c.num_tokens, c.sample, outs, keep, tail, c.draft_token_ids, c.prompt_logprobs]
+                [req.req_id, c.start, c.num_tokens, c.sample, outs, keep, tail, c.draft_token_ids, c.prompt_logprobs, mask]
             )
         for req_id in batch.finished_req_ids:
             self.sent.pop(req_id, None)
@@ -71,12 +74,13 @@ class StepDecoder:
         for req_id, prompt, params, eos in msg["new"]:
             self.requests[req_id] = Request(req_id, prompt, SamplingParams(**params), frozenset(eos))
         chunks = []
-        for req_id, start, n, sample, outs, keep, tail, drafts, plp in msg["chunks"]:
+        for req_id, start, n, sample, outs, keep, tail, drafts, plp, mask in msg["chunks"]:
             req = self.requests[req_id]
             req.output_token_ids.extend(outs)
             del req.block_table[keep:]
             req.block_table.extend(tail)
-            chunks.append(SeqChunk(req, start, n, sample, drafts, plp))
+            bitmask = None if mask is None else np.frombuffer(mask, dtype=np.int32)
+            chunks.append(SeqChunk(req, start, n, sample, drafts, plp, bitmask))
         for req_id in msg["left"]:
             self.requests.pop(req_id, None)
         return StepBatch(chunks, finished_req_ids=msg["left"])

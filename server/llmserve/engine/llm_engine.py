@@ -21,6 +21,7 @@ from llmserve.engine.request import FinishReason, Request
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.speculative import DraftLength, SpecStats, build_proposer
+from llmserve.engine.structured import GrammarMatchers
 from llmserve.runners.base import ModelRunner, StepBatch, TokenLogprobs
 
 log = logging.getLogger(__name__)
@@ -77,12 +78,14 @@ class EngineStats:
 
 
 class LLMEngine:
-    def __init__(self, config: Config, runner: ModelRunner, tokenizer=None) -> None:
+    def __init__(self, config: Config, runner: ModelRunner, tokenizer=None, grammar_tokenizer=None) -> None:
         self.config = config
         self.runner = runner
         # Without a tokenizer (the engine core process) outputs carry token ids only: the engine
         # server's front process makes their text and checks stop strings.
         self.tokenizer = tokenizer
+        # Structured output: matchers over the model's tokens (the core has the tokenizer for them only).
+        self.grammars = GrammarMatchers(grammar_tokenizer or tokenizer, runner.vocab_size, runner.eos_token_ids)
         self.block_manager = BlockManager(runner.num_kv_blocks, runner.block_size, config.enable_prefix_caching)
         self.max_model_len = runner.max_model_len
         self.scheduler = Scheduler(
@@ -148,6 +151,8 @@ class LLMEngine:
         req = Request(req_id, list(prompt_token_ids), params, frozenset(stop_ids))
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        if params.grammar is not None:
+            self.grammars.add(req)  # ValueError: it cannot run on this model's tokens
         self.requests[req_id] = req
         self._prompt_tokens += n
         self._text[req_id] = TextState(params, self.tokenizer)  # no text without a tokenizer
@@ -185,7 +190,10 @@ class LLMEngine:
         spec = self.proposer is not None
         batch = len(self.scheduler.running) + len(self.scheduler.waiting) if spec else 0
         k = self._draft_length(batch) if spec else 0
-        if k and self._inflight is not None:
+        # A step that samples for a grammar follows the tokens before it (the matcher must have taken
+        # them in to say what may come next): serial, like a step verifying proposals.
+        serial = bool(k) or self.grammars.active()
+        if serial and self._inflight is not None:
             outputs += self._take_in(self._inflight)
             self._inflight = None
         if spec:
@@ -193,6 +201,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if k:
             self.proposer.fill(sched.chunks)
+        if self.grammars.active():
+            for c in sched.chunks:
+                if c.sample:
+                    c.token_bitmask = self.grammars.bitmask(c.request.req_id)
         self._preemptions += len(sched.preempted)
         launched = None
         if sched.chunks:
@@ -201,7 +213,7 @@ class LLMEngine:
             self._steps += 1
         t1 = time.perf_counter()
         self._schedule_time += t1 - t0
-        overlap = self.overlap and not k
+        overlap = self.overlap and not serial
         done, self._inflight = (self._inflight, launched) if overlap else (launched, None)
         if done is not None:
             outputs += self._take_in(done)
@@ -229,7 +241,8 @@ class LLMEngine:
         for req in self.scheduler.running:
             req.draft_token_ids, req.draft_probs = [], None
             if req.num_tokens - req.num_computed_tokens == 1 and not req.done_sampling(self.max_model_len):
-                decoding.append(req)
+                if req.params.grammar is None:  # drafts are not checked against grammars yet
+                    decoding.append(req)
         if k and decoding:
             self.proposer.propose(decoding, k)
 
@@ -290,6 +303,8 @@ class LLMEngine:
             out.new_token_ids.append(token)
             self._gen_tokens += 1
             reason = check_stop_token(req, token, self.max_model_len)
+            if self.grammars.accept(req.req_id, token):  # the structure is complete
+                reason = reason or FinishReason.STOP
             reason = text.append([token]) or reason
             if reason is not None:
                 break
@@ -322,6 +337,7 @@ class LLMEngine:
                     got[p] = lp
 
     def _finish(self, req: Request) -> RequestOutput:
+        self.grammars.drop(req.req_id)
         self.scheduler.remove(req)
         self.requests.pop(req.req_id, None)
         text = self._text.pop(req.req_id)

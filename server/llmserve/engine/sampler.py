@@ -14,6 +14,7 @@ import numpy as np
 
 from llmserve.engine.request import Request
 from llmserve.engine.sampling_params import SamplingParams
+from llmserve.engine.structured import allowed_tokens
 from llmserve.runners.base import SeqChunk, TokenLogprobs
 
 
@@ -111,7 +112,10 @@ class Sampler:
             req, drafts = c.request, c.draft_token_ids
             toks, lps = [], []
             for j in range(len(drafts) + 1):
-                t, lp = self.sample_one(np.array(logits[r + j], dtype=np.float32), req, drafts[:j])
+                row = np.array(logits[r + j], dtype=np.float32)
+                if c.token_bitmask is not None:  # structured output: only what the grammar allows
+                    row[~allowed_tokens(c.token_bitmask, row.shape[0])] = -np.inf
+                t, lp = self.sample_one(row, req, drafts[:j])
                 toks.append(t)
                 lps.append(lp)
                 if j == len(drafts) or t != drafts[j]:

@@ -38,6 +38,9 @@ class SamplingParams:
     # logit_bias: -100 all but bans a token, 100 all but forces it).
     logit_bias: dict[int, float] = field(default_factory=dict)
     include_stop_str_in_output: bool = False
+    # Structured output: an llguidance grammar (protocol/structured.py) every sampled token must follow;
+    # the output ends when it is complete (engine/structured.py).
+    grammar: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()

@@ -22,6 +22,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.protocol import error_response as error_response  # re-exported: the native error item
+from llmserve.protocol import structured
 
 # Error codes: also the HTTP status of the error.
 BAD_REQUEST = 400
@@ -86,6 +87,12 @@ class NativeRequest(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20, description="the same for the prompt's tokens")
     logit_bias: dict[str, float] = Field(default_factory=dict, description="token id -> bias in [-100, 100]")
     echo: bool = Field(default=False, description="the first response carries `prompt_text`")
+    # Structured output (protocol/structured.py): at most one of these.
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @field_validator("stop_sequences", mode="before")
     @classmethod
@@ -209,6 +216,10 @@ def admit(
                 raise NativeError(
                     BAD_REQUEST, f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", name
                 )
+    try:
+        grammar = structured.grammar_for({f: getattr(req, f) for f in structured.FIELDS})
+    except ValueError as e:
+        raise NativeError(BAD_REQUEST, str(e), str(e).split(":", 1)[0]) from None
     # Default: what is left of the context, within MAX_DEC_LEN.
     max_tokens = req.max_dec_len or min(max_dec_len, max_seq_len - n)
     greedy = req.temperature == 0.0 or req.topp == 0.0
@@ -231,6 +242,7 @@ def admit(
             logprobs=req.logprobs,
             prompt_logprobs=req.prompt_logprobs,
             logit_bias=bias,
+            grammar=grammar,
         )
     except ValueError as e:
         raise NativeError(BAD_REQUEST, str(e), str(e).split(":", 1)[0]) from None

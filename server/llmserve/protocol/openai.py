@@ -11,9 +11,9 @@ its errors come back naming the OpenAI field (`NATIVE_TO_OPENAI`).
 
 Models are strict (no "5" for 5, no 1 for true): a wrong type is a 400 naming
 the field. An unknown field is a 400 naming it, as OpenAI answers; fields of
-features not built yet (`tools`, `response_format`, ...) are refused by name.
-Beyond OpenAI (vLLM's extensions): `top_k`, `repetition_penalty`, `min_tokens`,
-`ignore_eos`.
+features not built yet (`tools`, ...) are refused by name. Beyond OpenAI (vLLM's extensions):
+`top_k`, `repetition_penalty`, `min_tokens`, `ignore_eos`, and structured output's `guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar` beside OpenAI's `response_format`.
 """
 
 from __future__ import annotations
@@ -82,8 +82,13 @@ class _Sampling(BaseModel):
     repetition_penalty: float | None = Field(default=None, gt=0.0, description="extension: native penalty_score")
     min_tokens: int | None = Field(default=None, ge=0, description="extension: native min_dec_len")
     ignore_eos: bool = Field(default=False, description="extension: go on past end-of-sequence tokens")
+    # Structured output (protocol/structured.py; checked where the native request is admitted).
+    response_format: dict[str, Any] | None = Field(default=None, description="text, json_object or json_schema")
+    guided_json: dict[str, Any] | str | None = Field(default=None, description="extension: a JSON schema")
+    guided_regex: str | None = Field(default=None, description="extension: a regular expression")
+    guided_choice: list[str] | None = Field(default=None, description="extension: one of these strings")
+    guided_grammar: str | None = Field(default=None, description="extension: a Lark grammar")
     # Features not built yet: refused by name unless they ask for nothing.
-    response_format: Any = None
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: Any = None
@@ -104,9 +109,6 @@ class _Sampling(BaseModel):
     def _common(self):
         if self.stream_options is not None and not self.stream:
             raise _refuse("stream_options", "only allowed when stream is true")
-        rf = self.response_format
-        if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text" and len(rf) == 1):
-            raise _refuse("response_format", "structured output (json_object, json_schema) is not supported yet")
         if self.tools:
             raise _refuse("tools", "tool calling is not supported yet")
         if self.tool_choice not in (None, "none"):
@@ -144,6 +146,9 @@ class _Sampling(BaseModel):
             body["logit_bias"] = self.logit_bias
         if self.ignore_eos:
             body["ignore_eos"] = True
+        for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+            if getattr(self, name) is not None:
+                body[name] = getattr(self, name)
         return body
 
 

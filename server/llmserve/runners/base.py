@@ -47,6 +47,9 @@ class SeqChunk:
     draft_token_ids: list[int] = field(default_factory=list)
     # Also return the logprobs of the prompt tokens this chunk's positions predict (see the module doc).
     prompt_logprobs: bool = False
+    # Structured output: the tokens its grammar allows next (engine/structured.py: int32 words, bit t
+    # set when token t may come); the runner gives every other token -inf before sampling. None: any.
+    token_bitmask: object = None
 
     @property
     def token_ids(self) -> list[int]:

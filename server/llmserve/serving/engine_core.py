@@ -202,8 +202,9 @@ def main() -> None:
 
     config = Config.from_env()
     t0 = time.monotonic()
-    runner, _ = load_model(config)
-    engine = LLMEngine(config, runner)  # no tokenizer: text is the server's work
+    runner, tokenizer = load_model(config)
+    # No text here (the server's work): the tokenizer serves structured output's grammars only.
+    engine = LLMEngine(config, runner, grammar_tokenizer=tokenizer)
     if config.use_warmup:
         t1 = time.monotonic()
         warmup(engine, config)

@@ -328,6 +328,8 @@ class TorchRunner(ModelRunner):
             plp = (asking, self._prompt_logprobs(hidden, x, min(k, self.vocab_size)))
         sampled = [c for c in batch.chunks if c.sample]
         reqs = [c.request for c in sampled]
+        if any(c.token_bitmask is not None for c in sampled):
+            self._constrain(logits, sampled)
         num_new = rows = num_new_dev = None
         if any(c.draft_token_ids for c in sampled):  # verification (serial steps: no PENDING follows)
             out_index = [c.start + c.num_tokens - len(c.draft_token_ids) - c.request.num_prompt_tokens for c in sampled]
@@ -354,6 +356,21 @@ class TorchRunner(ModelRunner):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
         return _Launched(host, tokens, lps, self._t_start, end, plp, rows, num_new)
+
+    def _constrain(self, logits: torch.Tensor, sampled: list[SeqChunk]) -> None:
+        """Structured output: -inf, in place, for every token a chunk's grammar does not allow next
+        (its bitmask, base.py; the same for each of its rows)."""
+        words = -(-self.vocab_size // 32)
+        rows = np.full((logits.shape[0], words), -1, dtype=np.int32)  # all bits set: unconstrained
+        r = 0
+        for c in sampled:
+            if c.token_bitmask is not None:
+                rows[r : r + c.num_sampled_rows] = c.token_bitmask
+            r += c.num_sampled_rows
+        (dev,) = self.uploader.upload([rows])
+        shifts = torch.arange(32, device=self.device, dtype=torch.int32)
+        allowed = ((dev.unsqueeze(-1) >> shifts) & 1).view(rows.shape[0], words * 32)[:, : self.vocab_size]
+        logits.masked_fill_(allowed == 0, float("-inf"))
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """An asynchronous copy into pinned memory (on CUDA), readable once the step's end event is."""

@@ -1,0 +1,96 @@
+"""Structured output in the engine: one llguidance matcher per constrained request.
+
+Before a step samples a constrained request, its matcher writes the tokens the grammar allows next
+into a bitmask (one bit per token id, int32 words), which the runner applies to the logits where it
+samples (the device for the torch runner): every other token gets -inf. Each token taken in then
+advances the matcher; when the grammar is complete the request ends (finish reason "stop"). The
+matchers need the model's tokenizer (its tokens' bytes), built once, when the first constrained
+request arrives.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+from llmserve.engine.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class _Vocabulary:
+    """What llguidance's TokenizerWrapper reads of a tokenizer."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.tok = tokenizer
+        n = tokenizer.vocab_size
+        # Ids past the tokenizer's (a model's padded vocabulary) stand for no bytes: never allowed.
+        self.tokens = [tokenizer.decode_token_bytes(i) for i in range(n)] + [b""] * max(0, vocab_size - n)
+        eos = sorted(eos_token_ids) or sorted(tokenizer.eos_token_ids)
+        self.eos_token_id = eos[0] if eos else None
+        self.bos_token_id = tokenizer.bos_token_id
+        self.special_token_ids = sorted(tokenizer.special_token_ids)
+
+    def __call__(self, s: bytes | str) -> list[int]:
+        text = s.decode("utf-8", "replace") if isinstance(s, bytes) else s
+        return self.tok.encode(text, add_special_tokens=False)
+
+
+def allowed_tokens(words: np.ndarray, vocab: int) -> np.ndarray:
+    """A bitmask's bits as booleans [vocab] (host samplers)."""
+    return np.unpackbits(np.ascontiguousarray(words, np.int32).view(np.uint8), bitorder="little")[:vocab].astype(bool)
+
+
+class GrammarMatchers:
+    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: frozenset[int]) -> None:
+        self.tokenizer, self.vocab_size, self.eos_token_ids = tokenizer, vocab_size, eos_token_ids
+        self._ll = None  # llguidance.LLTokenizer, built on first use
+        self.matchers: dict[str, object] = {}
+        self.words = -(-vocab_size // 32)
+
+    def _lltokenizer(self):
+        if self._ll is None:
+            import llguidance
+
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer, and this engine has none")
+            vocab = _Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            self._ll = llguidance.LLTokenizer(llguidance.TokenizerWrapper(vocab))
+        return self._ll
+
+    def add(self, req: Request) -> None:
+        """A matcher for a request with a grammar; ValueError when it cannot run on this tokenizer."""
+        import llguidance
+
+        m = llguidance.LLMatcher(self._lltokenizer(), req.params.grammar)
+        if m.is_error():
+            raise ValueError(f"structured output: {m.get_error()}")
+        self.matchers[req.req_id] = m
+
+    def active(self) -> bool:
+        return bool(self.matchers)
+
+    def bitmask(self, req_id: str) -> np.ndarray | None:
+        """int32 words, bit t of word t // 32 set when token t may come next; None: unconstrained."""
+        m = self.matchers.get(req_id)
+        if m is None:
+            return None
+        words = np.frombuffer(m.compute_bitmask(), dtype=np.int32)
+        if words.size < self.words:  # the tokenizer's vocabulary is smaller than the model's
+            words = np.concatenate([words, np.zeros(self.words - words.size, np.int32)])
+        return words[: self.words]
+
+    def accept(self, req_id: str, token: int) -> bool:
+        """Advance the request's matcher by `token`; True when the grammar is complete (or broken:
+        logged, the request ends rather than go on unconstrained)."""
+        m = self.matchers.get(req_id)
+        if m is None:
+            return False
+        if not m.consume_token(token):
+            log.error("request %s: token %d breaks its grammar (%s); ending it", req_id, token, m.get_error())
+            return True
+        return m.is_stopped()
+
+    def drop(self, req_id: str) -> None:
+        self.matchers.pop(req_id, None)
