@@ -578,7 +578,13 @@ def test_fields_are_honoured_or_refused_on_the_stack(stack):
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"extra_body": {"guided_json": {"type": "strnig"}}}, "guided_json"),  # checked where it is admitted
         ({"extra_body": {"guided_regex": "a(b"}}, "guided_regex"),
-        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+        (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}],
+                "parallel_tool_calls": False,
+            },
+            "parallel_tool_calls",
+        ),  # fmt: skip
         ({"tool_choice": "required"}, "tool_choice"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"seed": 1 << 64}, "seed"),
@@ -695,3 +701,49 @@ def test_structured_output_through_the_openai_client(stack):
         model="default", prompt="import ", max_tokens=16, n=4, extra_body={"guided_choice": choices}
     )
     assert all(x.text in choices and x.finish_reason == "stop" for x in c.choices), c.choices
+
+
+def test_tool_calls_through_the_openai_client(stack):
+    """tool_choice required / a named function: the call is grammar-made, so even the demo (a code
+    model that knows no tools) returns one valid call; streamed: name first, then its arguments;
+    the call and the tool's answer go back into the conversation."""
+    import jsonschema
+
+    client = _client(stack)
+    city = {"type": "string", "pattern": "^[A-Za-z ]{1,12}$"}  # a random model's strings: short, no escapes
+    params = {"type": "object", "properties": {"city": city}, "required": ["city"], "additionalProperties": False}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": params}},
+             {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}]  # fmt: skip
+    messages = [{"role": "user", "content": "weather in Oslo?"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(
+        model="default", messages=messages, tools=tools, tool_choice=named, max_tokens=128, temperature=1.0, seed=3
+    )
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), params)
+
+    stream = client.chat.completions.create(
+        model="default", messages=messages, tools=tools, tool_choice="required", parallel_tool_calls=False,
+        max_tokens=128, temperature=1.0, seed=4, stream=True,
+    )  # fmt: skip
+    deltas, finish, content = [], None, ""
+    for chunk in stream:
+        for ch in chunk.choices:
+            deltas += ch.delta.tool_calls or []
+            content += ch.delta.content or ""
+            finish = ch.finish_reason or finish
+    assert finish == "tool_calls", (finish, content, deltas)
+    assert deltas[0].function.name in ("get_weather", "now") and deltas[0].id and deltas[0].index == 0
+    args = "".join(d.function.arguments or "" for d in deltas)
+    assert isinstance(json.loads(args), dict) and all(d.index == 0 for d in deltas)
+
+    back = messages + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": "12 C, rain"},
+    ]
+    r = client.chat.completions.create(model="default", messages=back, tools=tools, max_tokens=8, temperature=0)
+    assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")

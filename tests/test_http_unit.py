@@ -381,9 +381,10 @@ CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     [
         ("/v1/completions", {"frobnicate": 1}, "frobnicate", "Unrecognized request argument supplied"),
         (URL, {"response_format": "json"}, "response_format", "dictionary"),
-        (URL, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
-        (URL, {"tool_choice": "auto"}, "tool_choice", "not supported"),
-        (URL, {"functions": [{"name": "f"}]}, "functions", "not supported"),
+        (URL, {"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools.0.function.name", "pattern"),
+        (URL, {"tool_choice": "auto"}, "tool_choice", "needs tools"),
+        ("/v1/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "chat"),
+        (URL, {"functions": [{"name": "f"}]}, "functions", "deprecated"),
         (URL, {"stream_options": {"include_usage": True}}, "stream_options", "stream"),
         ("/v1/completions", {"stop": ["a", "b", "c", "d", "e"]}, "stop", "at most 4"),
         ("/v1/completions", {"seed": 1 << 63}, "seed", "seed"),

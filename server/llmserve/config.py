@@ -197,6 +197,14 @@ class Config:
     overlap_scheduling: bool = _setting(
         "LLMSERVE_OVERLAP", True, _bool, doc="schedule step N+1 while step N runs on the GPU (CUDA runner)"
     )
+    # tool calls and reasoning in chat outputs (protocol/tool_calls.py, protocol/reasoning.py)
+    tool_call_parser: str = _setting(
+        "TOOL_CALL_PARSER", "hermes", _choice(("hermes", "llama3_json")), doc="format of the model's tool calls"
+    )
+    reasoning_parser: str = _setting(
+        "REASONING_PARSER", "", _choice(("", "deepseek_r1", "qwen3")),
+        doc="split <think>...</think> into reasoning_content (empty: off)",
+    )  # fmt: skip
     # speculative decoding
     speculate_method: str = _setting(
         "SPECULATE_METHOD", "none", _speculate_method, doc="none | ngram (prompt lookup) | draft | mtp"

@@ -27,7 +27,7 @@ from llmserve.http.disconnect import until_disconnected
 from llmserve.http.errors import ApiError, openai_error, status_of
 from llmserve.http.fanout import fanout
 from llmserve.http.triton_client import Backend
-from llmserve.protocol import native
+from llmserve.protocol import native, tool_calls
 from llmserve.protocol.openai import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,6 +36,8 @@ from llmserve.protocol.openai import (
     parse_chat,
     parse_completion,
 )
+from llmserve.protocol.reasoning import ReasoningParser
+from llmserve.protocol.tool_calls import ToolCallParser
 
 SSE = "text/event-stream"
 CONTEXT_ERROR = "maximum context length"
@@ -53,6 +55,10 @@ class Choice:
     started: bool = False
     prefix_len: int = 0  # echoed prompt characters at the start of `text`
     prompt_logprobs: list[dict] = field(default_factory=list)  # echo + logprobs
+    # Chat with tools or REASONING_PARSER: the streamed text split into reasoning, content and calls.
+    reasoning: ReasoningParser | None = None
+    tools: ToolCallParser | None = None
+    num_calls: int = 0  # tool calls streamed so far
 
 
 class _Call:
@@ -63,7 +69,21 @@ class _Call:
         self.config = config
         self.chat = isinstance(req, ChatCompletionRequest)
         self.bodies = req.to_native()
-        self.choices = [Choice() for _ in self.bodies]
+        tools = self.chat and req.calls_tools
+        if self.chat and req.forces_tool_call:  # required / a named function: a grammar makes the call
+            # A named function: one call of it (as vLLM); required: one, or more unless parallel_tool_calls is false.
+            parallel = req.tool_choice == "required" and req.parallel_tool_calls is not False
+            g = tool_calls.grammar(config.tool_call_parser, req.offered_tools(), parallel)
+            for body in self.bodies:
+                body["guided_grammar"] = g
+        reasoning = config.reasoning_parser if self.chat else ""
+        self.choices = [
+            Choice(
+                reasoning=ReasoningParser(reasoning) if reasoning else None,
+                tools=ToolCallParser(config.tool_call_parser) if tools else None,
+            )
+            for _ in self.bodies
+        ]
         self.id = ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
         self.object = "chat.completion" if self.chat else "text_completion"
@@ -167,10 +187,44 @@ class _Call:
             lp = {k: head[k] + lp[k] for k in lp}
         return prefix + token, lp
 
+    def split(self, index: int, delta: str, end: bool) -> dict:
+        """A chat delta's fields: reasoning_content, content and tool_calls (REASONING_PARSER, tools);
+        just content when neither is on."""
+        c = self.choices[index]
+        if c.reasoning is None and c.tools is None:
+            return {"content": delta}
+        reasoning, content = c.reasoning.feed(delta) if c.reasoning else ("", delta)
+        if end and c.reasoning:
+            r, t = c.reasoning.finish()
+            reasoning, content = reasoning + r, content + t
+        calls = []
+        if c.tools:
+            content, calls = c.tools.feed(content)
+            if end:
+                tail, more = c.tools.finish()
+                content, calls = content + tail, calls + more
+        out: dict = {}
+        if reasoning:
+            out["reasoning_content"] = reasoning
+        if content or not (reasoning or calls):
+            out["content"] = content
+        if calls:
+            out["tool_calls"] = tool_calls.stream_deltas(calls, c.num_calls)
+            c.num_calls += len(calls)
+        return out
+
+    def finish_reason(self, index: int) -> str | None:
+        """The engine's, or "tool_calls" when the model called a tool (and was not cut short)."""
+        c = self.choices[index]
+        calls = c.num_calls or (c.tools is not None and c.tools.calls)
+        return "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
+
     # ---- responses ------------------------------------------------------------------
     def chunk(self, index: int, delta: str, logprobs: dict | None, finish: str | None, first: bool) -> dict:
         if self.chat:
-            d = {"role": "assistant", "content": delta} if first else {"content": delta}
+            d = self.split(index, delta, finish is not None)
+            d = {"role": "assistant", **d} if first else d
+            finish = self.finish_reason(index) if finish is not None else None
             choice = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
             obj = "chat.completion.chunk"
         else:
@@ -188,8 +242,8 @@ class _Call:
                     head = self.logprobs_of(c.prompt_logprobs, 0)
                     lp = {key: head[key] + lp[key] for key in lp}
             if self.chat:
-                msg = {"role": "assistant", "content": c.text}
-                choices.append({"index": k, "message": msg, "logprobs": lp, "finish_reason": c.finish_reason})
+                msg = self.message(k)
+                choices.append({"index": k, "message": msg, "logprobs": lp, "finish_reason": self.finish_reason(k)})
             else:
                 choices.append({"index": k, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         return {
@@ -200,6 +254,21 @@ class _Call:
             "choices": choices,
             "usage": self.usage(),
         }
+
+    def message(self, index: int) -> dict:
+        """The assistant message of a whole chat choice: content, and reasoning_content / tool_calls
+        where REASONING_PARSER / tools are on."""
+        c = self.choices[index]
+        msg: dict = {"role": "assistant", "content": c.text}
+        text = c.text
+        if c.reasoning is not None:
+            reasoning, text = ReasoningParser.split(self.config.reasoning_parser, text)
+            msg["reasoning_content"], msg["content"] = reasoning, text
+        if c.tools is not None:
+            content, calls = c.tools.parse(text)
+            msg["content"] = content or None if calls else content
+            msg["tool_calls"] = [t.openai() for t in calls]
+        return msg
 
 
 def _sse(obj: dict | str) -> bytes:

@@ -87,6 +87,7 @@ class NativeRequest(BaseModel):
     prompt_logprobs: int | None = Field(default=None, ge=0, le=20, description="the same for the prompt's tokens")
     logit_bias: dict[str, float] = Field(default_factory=dict, description="token id -> bias in [-100, 100]")
     echo: bool = Field(default=False, description="the first response carries `prompt_text`")
+    tools: list[dict[str, Any]] | None = Field(default=None, description="rendered by the chat template (messages)")
     # Structured output (protocol/structured.py): at most one of these.
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
@@ -161,6 +162,8 @@ def parse(body: bytes | str | dict) -> NativeRequest:
 def prompt_token_ids(req: NativeRequest, tokenizer) -> list[int]:
     """Token ids of the prompt: `text` is encoded as is (as `llmserve generate` does);
     `messages` (and `text` with `system`) go through the chat template."""
+    if req.tools is not None and req.messages is None:
+        raise NativeError(BAD_REQUEST, "tools: only with messages (the chat template renders them)", "tools")
     if req.input_ids is not None:
         return list(req.input_ids)
     if req.messages is not None:
@@ -172,7 +175,7 @@ def prompt_token_ids(req: NativeRequest, tokenizer) -> list[int]:
     else:
         return tokenizer.encode(req.text)
     try:
-        return tokenizer.encode_chat(messages)
+        return tokenizer.encode_chat(messages, **({"tools": req.tools} if req.tools else {}))
     except ValueError as e:  # ChatTemplateError
         raise NativeError(BAD_REQUEST, f"chat template: {e}", req.prompt_field) from None
 

@@ -18,6 +18,7 @@ features not built yet (`tools`, ...) are refused by name. Beyond OpenAI (vLLM's
 
 from __future__ import annotations
 
+import json
 import uuid
 from typing import Any, Literal
 
@@ -25,6 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from llmserve.protocol.native import INT64_MAX, INT64_MIN
 
+STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 MAX_N = 16  # choices per request (n x prompts), so one body cannot flood the queue
 MAX_STOPS = 4  # as OpenAI
 
@@ -48,6 +50,31 @@ class OpenAIValidationError(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
+
+
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -88,10 +115,11 @@ class _Sampling(BaseModel):
     guided_regex: str | None = Field(default=None, description="extension: a regular expression")
     guided_choice: list[str] | None = Field(default=None, description="extension: one of these strings")
     guided_grammar: str | None = Field(default=None, description="extension: a Lark grammar")
+    # Tool calling (chat only; protocol/tool_calls.py).
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
     # Features not built yet: refused by name unless they ask for nothing.
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: Any = None
     functions: Any = None
     function_call: Any = None
 
@@ -109,14 +137,51 @@ class _Sampling(BaseModel):
     def _common(self):
         if self.stream_options is not None and not self.stream:
             raise _refuse("stream_options", "only allowed when stream is true")
-        if self.tools:
-            raise _refuse("tools", "tool calling is not supported yet")
-        if self.tool_choice not in (None, "none"):
-            raise _refuse("tool_choice", "tool calling is not supported yet (only `none`)")
-        for name in ("parallel_tool_calls", "functions", "function_call"):
+        for name in ("functions", "function_call"):
             if getattr(self, name) is not None:
-                raise _refuse(name, "tool calling is not supported yet")
+                raise _refuse(name, "is deprecated by OpenAI and not served: use tools and tool_choice")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        names = [t.function.name for t in self.tools or []]
+        choice = self.tool_choice
+        if (self.tools or choice is not None or self.parallel_tool_calls is not None) and not isinstance(
+            self, ChatCompletionRequest
+        ):
+            raise _refuse("tools" if self.tools else "tool_choice", "only on /v1/chat/completions")
+        if choice not in (None, "none") and not self.tools:
+            raise OpenAIValidationError("tool_choice: needs tools", "tool_choice")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise OpenAIValidationError(f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice")
+        if len(set(names)) != len(names):
+            raise OpenAIValidationError("tools: two tools have the same name", "tools")
+        if self.forces_tool_call and any(getattr(self, f) is not None for f in STRUCTURED_FIELDS):
+            raise OpenAIValidationError(
+                "response_format: cannot be combined with tool_choice required or a named function", "response_format"
+            )
+        if self.parallel_tool_calls is False and not self.forces_tool_call and self.calls_tools:
+            raise OpenAIValidationError(
+                "parallel_tool_calls: false is honoured with tool_choice required or a named function (a grammar "
+                "then allows one call); with auto the model may call several",
+                "parallel_tool_calls",
+            )
+
+    @property
+    def calls_tools(self) -> bool:
+        """Tools are offered (rendered into the prompt, and the output parsed for calls)."""
+        return bool(self.tools) and self.tool_choice != "none"
+
+    @property
+    def forces_tool_call(self) -> bool:
+        return bool(self.tools) and (self.tool_choice == "required" or isinstance(self.tool_choice, NamedToolChoice))
+
+    def offered_tools(self) -> list[dict]:
+        """The tools a call may use: all, or the named one."""
+        tools = [t.model_dump(exclude_none=True) for t in self.tools or []]
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return [t for t in tools if t["function"]["name"] == self.tool_choice.function.name]
+        return tools
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -146,9 +211,11 @@ class _Sampling(BaseModel):
             body["logit_bias"] = self.logit_bias
         if self.ignore_eos:
             body["ignore_eos"] = True
-        for name in ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        for name in STRUCTURED_FIELDS:
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
+        if self.calls_tools:
+            body["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
         return body
 
 
@@ -217,23 +284,50 @@ class TextPart(BaseModel):
     text: str
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class AssistantToolCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
 
-    def flat(self) -> dict[str, str]:
+    def flat(self) -> dict[str, Any]:
         """{role, content} as the chat template wants it (text parts joined; developer is system);
-        `name` and `tool_call_id` go along for templates that use them."""
+        `name`, `tool_call_id` and `tool_calls` go along for templates that use them (a call's
+        arguments as an object, as HF templates expect, when they are JSON)."""
         c = self.content
         text = c if isinstance(c, str) else "".join(p.text for p in c or [])
-        out = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        out: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role, "content": text}
         for k in ("name", "tool_call_id"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": t.id, "type": "function", "function": {"name": t.function.name, "arguments": _args(t)}}
+                for t in self.tool_calls
+            ]
         return out
+
+
+def _args(t: AssistantToolCall) -> Any:
+    try:
+        return json.loads(t.function.arguments)
+    except ValueError:
+        return t.function.arguments
 
 
 class ChatCompletionRequest(_Sampling):

@@ -62,8 +62,8 @@ def grammar_for(fields: dict[str, Any]) -> str | None:
     return grammar
 
 
-# JSON without free whitespace between tokens (", " and ": " only): a model left to choose pads with
-# whitespace for ever (seen on the demo model); the schema's own x-guidance options still win.
+# Compact JSON, no whitespace between tokens: a model left to choose pads with whitespace for ever
+# (seen on the demo model); the schema's own x-guidance options still win.
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
 
