@@ -54,7 +54,7 @@ class StepEncoder:
             keep = 0 if req.num_table_trims != s.trims else min(s.table, len(req.block_table))
             tail = req.block_table[keep:]
             s.table, s.trims = len(req.block_table), req.num_table_trims
-            mask = None if c.token_bitmask is None else c.token_bitmask.tobytes()
+            mask = None if c.token_bitmask is None else c.bitmask().tobytes()  # computed here, before sending
             chunks.append(
                 [req.req_id, c.start, c.num_tokens, c.sample, outs, keep, tail, c.draft_token_ids, c.prompt_logprobs, mask]
             )
@@ -79,7 +79,7 @@ class StepDecoder:
             req.output_token_ids.extend(outs)
             del req.block_table[keep:]
             req.block_table.extend(tail)
-            bitmask = None if mask is None else np.frombuffer(mask, dtype=np.int32)
+            bitmask = None if mask is None else np.frombuffer(mask, dtype=np.int32).reshape(1 + len(drafts), -1)
             chunks.append(SeqChunk(req, start, n, sample, drafts, plp, bitmask))
         for req_id in msg["left"]:
             self.requests.pop(req_id, None)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 from llmserve.config import Config
 from llmserve.engine.block_manager import BlockManager
@@ -201,10 +202,10 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if k:
             self.proposer.fill(sched.chunks)
-        if self.grammars.active():
+        if self.grammars.active():  # computed when the runner samples: while the device runs the model
             for c in sched.chunks:
-                if c.sample:
-                    c.token_bitmask = self.grammars.bitmask(c.request.req_id)
+                if c.sample and c.request.req_id in self.grammars.matchers:
+                    c.token_bitmask = partial(self.grammars.bitmask, c.request.req_id, list(c.draft_token_ids))
         self._preemptions += len(sched.preempted)
         launched = None
         if sched.chunks:
@@ -241,8 +242,7 @@ class LLMEngine:
         for req in self.scheduler.running:
             req.draft_token_ids, req.draft_probs = [], None
             if req.num_tokens - req.num_computed_tokens == 1 and not req.done_sampling(self.max_model_len):
-                if req.params.grammar is None:  # drafts are not checked against grammars yet
-                    decoding.append(req)
+                decoding.append(req)
         if k and decoding:
             self.proposer.propose(decoding, k)
 

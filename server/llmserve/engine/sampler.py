@@ -114,7 +114,7 @@ class Sampler:
             for j in range(len(drafts) + 1):
                 row = np.array(logits[r + j], dtype=np.float32)
                 if c.token_bitmask is not None:  # structured output: only what the grammar allows
-                    row[~allowed_tokens(c.token_bitmask, row.shape[0])] = -np.inf
+                    row[~allowed_tokens(c.bitmask()[j], row.shape[0])] = -np.inf
                 t, lp = self.sample_one(row, req, drafts[:j])
                 toks.append(t)
                 lps.append(lp)

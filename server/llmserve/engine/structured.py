@@ -71,15 +71,28 @@ class GrammarMatchers:
     def active(self) -> bool:
         return bool(self.matchers)
 
-    def bitmask(self, req_id: str) -> np.ndarray | None:
-        """int32 words, bit t of word t // 32 set when token t may come next; None: unconstrained."""
-        m = self.matchers.get(req_id)
-        if m is None:
-            return None
+    def bitmask(self, req_id: str, drafts: list[int] = ()) -> np.ndarray:
+        """Rows of int32 words, bit t of word t // 32 set when token t may come next: row j after the
+        request's tokens and drafts[:j] (speculative decoding verifies 1 + k positions). Drafts past the
+        first one the grammar refuses get all-ones rows: the draw before them cannot be that draft, so
+        their rows are never used. The matcher is left as it was (rolled back)."""
+        m = self.matchers[req_id]
+        rows = np.full((1 + len(drafts), self.words), -1, dtype=np.int32)
+        ok = m.validate_tokens(list(drafts)) if drafts else 0
+        for j in range(ok + 1):
+            rows[j] = self._words(m)
+            if j < ok:
+                m.consume_token(drafts[j])
+        if ok:
+            m.rollback(ok)
+        return rows
+
+    def _words(self, m) -> np.ndarray:
         words = np.frombuffer(m.compute_bitmask(), dtype=np.int32)
         if words.size < self.words:  # the tokenizer's vocabulary is smaller than the model's
             words = np.concatenate([words, np.zeros(self.words - words.size, np.int32)])
-        return words[: self.words]
+        words = words[: self.words]
+        return words if words.any() else np.full(self.words, -1, np.int32)  # complete: nothing is -inf'd
 
     def accept(self, req_id: str, token: int) -> bool:
         """Advance the request's matcher by `token`; True when the grammar is complete (or broken:

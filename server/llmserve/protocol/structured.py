@@ -14,6 +14,7 @@ docs/api.md, "Structured output".
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from typing import Any
@@ -34,7 +35,18 @@ def _schema_text(field: str, schema: Any) -> str:
 
 def grammar_for(fields: dict[str, Any]) -> str | None:
     """The grammar of the structured-output fields given (FIELDS, None when absent), or None when
-    none asks for a structure. ValueError("<field>: why") for a bad or uncompilable one."""
+    none asks for a structure. ValueError("<field>: why") for a bad or uncompilable one. Compiled and
+    checked once per distinct request (an LRU cache: clients send the same schema again and again)."""
+    given = {f: fields[f] for f in FIELDS if fields.get(f) is not None}
+    return _cached(json.dumps(given, sort_keys=True)) if given else None
+
+
+@functools.lru_cache(maxsize=1024)
+def _cached(key: str) -> str | None:
+    return _compile(json.loads(key))
+
+
+def _compile(fields: dict[str, Any]) -> str | None:
     import llguidance
 
     m = llguidance.LLMatcher

@@ -47,9 +47,17 @@ class SeqChunk:
     draft_token_ids: list[int] = field(default_factory=list)
     # Also return the logprobs of the prompt tokens this chunk's positions predict (see the module doc).
     prompt_logprobs: bool = False
-    # Structured output: the tokens its grammar allows next (engine/structured.py: int32 words, bit t
-    # set when token t may come); the runner gives every other token -inf before sampling. None: any.
+    # Structured output: the tokens its grammar allows at each sampled position (engine/structured.py:
+    # rows of int32 words, bit t set when token t may come; one row per sampled position), or a
+    # callable returning them, which the runner calls once it has launched the model (the host
+    # computes them meanwhile); every other token gets -inf before sampling. None: any token.
     token_bitmask: object = None
+
+    def bitmask(self):
+        """token_bitmask, computed now if it was deferred (and kept)."""
+        if callable(self.token_bitmask):
+            self.token_bitmask = self.token_bitmask()
+        return self.token_bitmask
 
     @property
     def token_ids(self) -> list[int]:

@@ -365,7 +365,7 @@ class TorchRunner(ModelRunner):
         r = 0
         for c in sampled:
             if c.token_bitmask is not None:
-                rows[r : r + c.num_sampled_rows] = c.token_bitmask
+                rows[r : r + c.num_sampled_rows] = c.bitmask()
             r += c.num_sampled_rows
         (dev,) = self.uploader.upload([rows])
         shifts = torch.arange(32, device=self.device, dtype=torch.int32)
