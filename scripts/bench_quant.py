@@ -73,7 +73,7 @@ def decode_rows(engine: LLMEngine, runner: TorchRunner, bw: float, rng) -> dict:
     return row
 
 
-def speed(out: str, shape: str) -> None:
+def speed(out: str, shape: str, formats: list[str], kv: bool = True) -> None:
     from llmserve.runners.torch.random_model import write_random_checkpoint
 
     R["device"] = torch.cuda.get_device_name()
@@ -83,7 +83,7 @@ def speed(out: str, shape: str) -> None:
     base = Config(batch_size=256, max_seq_len=2048, block_size=64, max_num_batched_tokens=2048)
     base = dataclasses.replace(base, enable_prefix_caching=False)
     R["weights"] = rows = {}
-    for quant in ("", "weight_only_int8", "weight_only_int4", "fp8"):
+    for quant in formats:
         t = time.perf_counter()
         try:
             runner = TorchRunner(str(ckpt), dataclasses.replace(base, quant_type=quant))
@@ -96,11 +96,14 @@ def speed(out: str, shape: str) -> None:
         )
         rows[quant or "bf16"] = row
         for b in (64, 256):
-            row[f"b{b}_vs_bf16"] = row[f"b{b}_tok_s"] / rows["bf16"][f"b{b}_tok_s"]
+            if "bf16" in rows:
+                row[f"b{b}_vs_bf16"] = row[f"b{b}_tok_s"] / rows["bf16"][f"b{b}_tok_s"]
         print(quant or "bf16", json.dumps(row), flush=True)
         save(out)
         del runner
         free()
+    if not kv:
+        return
     R["kv"] = kv_rows = {}
     for kv in ("auto", "int8", "fp8"):
         cfg = dataclasses.replace(base, max_seq_len=8192, kv_cache_dtype=kv)
@@ -179,9 +182,13 @@ def main() -> None:
     ap.add_argument("--model", default="")
     ap.add_argument("--device", default="auto")
     ap.add_argument("--corpus", default="")
+    ap.add_argument(
+        "--formats", default=",weight_only_int8,weight_only_int4,fp8", help="speed: QUANT_TYPEs (empty: bf16)"
+    )
+    ap.add_argument("--skip-kv", action="store_true", help="speed: no KV-cache rows")
     a = ap.parse_args()
     if a.what == "speed":
-        speed(a.out, a.shape)
+        speed(a.out, a.shape, a.formats.split(","), kv=not a.skip_kv)
     else:
         from llmserve.models.demo import DEMO_HF_DIR
 

@@ -41,7 +41,12 @@ class Linear:
 
     @property
     def nbytes(self) -> int:
+        """Bytes a batch-1 step reads (the decode floor's): where a method keeps a second layout for
+        small products (int4's tinygemm operands), that one."""
         if self.parts is not None:
             return sum(p.nbytes for p in self.parts)
-        ts = list(self.w.values()) + ([self.bias] if self.bias is not None else [])
+        w = self.w
+        if "tg_weight" in w:
+            w = {k: w[k] for k in ("tg_weight", "tg_scales_zeros", "perm") if k in w}
+        ts = list(w.values()) + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in ts)

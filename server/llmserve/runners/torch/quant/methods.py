@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GROUP = 128  # online int4: weights per scale and zero point along K
+# Up to this many rows an int4 product runs PyTorch's tinygemm kernel (H100, 8B projections, in CUDA
+# graphs: 2.1-2.2x faster than ours at M = 1, 1.5-1.9x slower at M = 16; measurements/wo_library_h100.json).
+TINYGEMM_MAX_M = 4
 
 # Part of a projection one rank holds (tensor parallelism, parallel.py): (0, lo, hi) its output rows
 # lo..hi (column-parallel), (1, lo, hi) its input columns lo..hi (row-parallel), in W [N, K]'s terms.
@@ -60,6 +63,10 @@ class LinearMethod:
 
     def fusable(self, parts: list[dict[str, torch.Tensor]]) -> bool:
         return True
+
+    def finish(self, linear: Linear) -> Linear:
+        """A loaded (and fused) layer, ready to run: a method may add operands for its kernels."""
+        return linear
 
     def _read_checkpoint(self, r: _Reader, p: str, split: Split | None) -> Linear:
         """A projection of a quantized checkpoint in its canonical form (formats.to_canonical); one the
@@ -134,8 +141,23 @@ class W4(LinearMethod):
             return True
         return all(q is not None and torch.equal(q, perms[0]) for q in perms)
 
+    def finish(self, linear: Linear) -> Linear:
+        """On CUDA, also PyTorch's tinygemm operands for decode-sized products (TINYGEMM_MAX_M)."""
+        w = linear.w
+        if w["qweight"].is_cuda and hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+            G = w["qweight"].shape[0] * 8 // w["scales"].shape[0]
+            try:
+                w["tg_weight"], w["tg_scales_zeros"] = tinygemm_operands(w["qweight"], w["scales"], w["zeros"], G)
+            except RuntimeError as e:  # a shape or build it does not take: our kernel for every M
+                log.info("int4 layer %s: no tinygemm operands (%s)", tuple(w["qweight"].shape), e)
+        return linear
+
     def apply(self, w, x, bias, out_dtype):
         G = w["qweight"].shape[0] * 8 // w["scales"].shape[0]
+        if "tg_weight" in w and x.shape[0] <= TINYGEMM_MAX_M and x.dtype == torch.bfloat16:
+            out = torch.ops.aten._weight_int4pack_mm(x, w["tg_weight"], G, w["tg_scales_zeros"])
+            out = out if bias is None else out + bias
+            return out.to(out_dtype)
         return w4a16_linear(x, w["qweight"], w["scales"], w["zeros"], G, bias, out_dtype)
 
 
@@ -165,6 +187,20 @@ class FP8(LinearMethod):
         return fp8_linear(x, w["weight"], w["scale"], self.block, bias, out_dtype)
 
 
+def tinygemm_operands(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, G: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Canonical w4 (quant/__init__.py) as `aten._weight_int4pack_mm` takes it: the 4-bit weights
+    [N, K] packed two a byte (even k in the high nibble) then tiled, and per group (scale, zero) in
+    bf16 with w = (q - 8) * scale + zero: ours is w = (q - z) * s = (q - 8) * s + (8 - z) * s."""
+    q = formats.unpack_int4_k(qweight).t().contiguous().to(torch.int32)  # [N, K] in 0..15
+    packed = (q[:, ::2] << 4 | q[:, 1::2]).to(torch.uint8)
+    weight = torch.ops.aten._convert_weight_to_int4pack(packed, 8)
+    s = scales.float()
+    scales_zeros = torch.stack([s, (8 - zeros.float()) * s], dim=-1).to(torch.bfloat16).contiguous()
+    return weight, scales_zeros
+
+
 def load_linear(method: LinearMethod, r: _Reader, *projections: tuple[str, Split | None], bias: bool = True) -> Linear:
     """One layer over the projections named by their prefixes (e.g. q_proj., k_proj., v_proj.), each
     read whole or its split only, fused along the output dimension where the method allows it.
@@ -175,7 +211,7 @@ def load_linear(method: LinearMethod, r: _Reader, *projections: tuple[str, Split
         for part in parts:
             part.bias = None
     if len(parts) == 1:
-        return parts[0]
+        return parts[0].method.finish(parts[0])
     m = parts[0].method
     if all(p.method is m for p in parts) and m.fusable([p.w for p in parts]):
         w = {k: torch.cat([p.w[k] for p in parts], dim=m.n_dim[k]) for k in m.n_dim}
@@ -185,8 +221,8 @@ def load_linear(method: LinearMethod, r: _Reader, *projections: tuple[str, Split
         bias = None if all(b is None for b in biases) else torch.cat([b for b in biases if b is not None])
         if bias is not None and any(b is None for b in biases):
             raise ValueError(f"{prefixes}: some of these projections have a bias and some do not")
-        return Linear(m, w, bias)
-    return Linear(m, {}, parts=parts)
+        return m.finish(Linear(m, w, bias))
+    return Linear(m, {}, parts=[p.method.finish(p) for p in parts])
 
 
 def method_for(model_dir: str | Path, config: Config, device: torch.device, dtype: torch.dtype) -> LinearMethod:
