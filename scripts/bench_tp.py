@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_gpu import copy_bandwidth  # the same floor as the single-GPU benchmark
 
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
@@ -81,22 +82,6 @@ def run(engine: LLMEngine, reqs: list[tuple[list[int], SamplingParams]]):
             lps[o.req_id] += o.logprobs or []
     n = len(reqs)
     return [toks[f"r{i}"] for i in range(n)], [lps[f"r{i}"] for i in range(n)], trace
-
-
-def copy_bandwidth(gib: float = 4.0) -> float:
-    n = int(gib * (1 << 30)) // 2
-    a = torch.empty(n, device="cuda", dtype=torch.bfloat16).normal_()
-    b = torch.empty_like(a)
-    times = []
-    for _ in range(23):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        b.copy_(a)
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / 1e3)
-    del a, b
-    return 2 * n * 2 / statistics.median(times[3:])
 
 
 # ---- check --------------------------------------------------------------------------------------

@@ -14,43 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 
 import torch
+from bench_quant_gemm import copy_bandwidth, time_graph  # the same timing as the GEMM benchmark
 
 from llmserve.runners.torch.kernels.quant_gemm import w4a16_linear, w8a16_linear
 from llmserve.runners.torch.quant import formats
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # K, N
-
-
-def timed(fn, reps: int = 30, per_graph: int = 20) -> float:
-    """us per call: `per_graph` calls captured in a CUDA graph (as the engine runs decode steps, so no
-    launch cost is counted), median over `reps` replays."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(per_graph):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        g.replay()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) * 1e3 / per_graph)
-    return statistics.median(ts)
-
-
-def bandwidth() -> float:
-    a = torch.empty(1 << 30, device="cuda", dtype=torch.uint8)
-    b = torch.empty_like(a)
-    return 2 * a.numel() / (timed(lambda: b.copy_(a), 10, 2) / 1e6)
 
 
 def tinygemm(W: torch.Tensor, q: torch.Tensor, s: torch.Tensor, z: torch.Tensor):
@@ -69,7 +40,7 @@ def main() -> None:
     ap.add_argument("--out", default="wo.json")
     a = ap.parse_args()
     torch.manual_seed(0)
-    bw = bandwidth()
+    bw = copy_bandwidth()
     R = {"device": torch.cuda.get_device_name(), "copy_tb_s": bw / 1e12, "rows": {}}
     for name, (K, N) in SHAPES.items():
         W = torch.randn(N, K, device="cuda") / K**0.5
@@ -102,7 +73,7 @@ def main() -> None:
             for c, (fn, ref, nbytes) in cands.items():
                 out = fn().float()
                 err = ((out - ref).norm() / ref.norm()).item()
-                us = timed(fn)
+                us = time_graph(lambda i, fn=fn: fn(), 1)
                 row[c] = dict(us=us, floor_us=nbytes / bw * 1e6, vs_floor=us / (nbytes / bw * 1e6), rel_err=err)
             R["rows"][f"{name} M={M}"] = row
             print(
