@@ -231,7 +231,9 @@ async def _with_fake_server(tokenizer, fn):
 def _check_timing(ok: list[RequestResult]) -> None:
     for r in ok:
         assert r.ttft >= TTFT_S * 0.95
-        assert len(r.itl) == r.output_len - 1 and all(g >= ITL_S * 0.9 for g in r.itl)
+        # Each gap is the server's pause, give or take the client's own delay in reading: one late
+        # read shortens the next gap (seen at 8.5 of 10 ms under load), so their sum is what is bounded.
+        assert len(r.itl) == r.output_len - 1 and sum(r.itl) >= ITL_S * len(r.itl) * 0.9
         assert r.latency >= r.ttft + sum(r.itl) - 1e-6
     # Upper bound, loose: the box is shared.
     assert np.median([r.ttft for r in ok]) < TTFT_S + 0.5

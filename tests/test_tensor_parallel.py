@@ -208,10 +208,10 @@ def test_structured_output_reaches_every_rank(llama_dir):
     (a rank sampling unmasked would feed the others a different token and the outputs would part)."""
     from llmserve.protocol.structured import grammar_for
 
-    g = grammar_for({"guided_regex": r"[a-z]{3,12}-\d{2}"})
+    g = grammar_for({"guided_regex": r"[a-z]{3,12}-[0-9]{2}"})
     p = [SamplingParams(max_tokens=20, temperature=1.0, seed=s, grammar=g) for s in range(4)]
     prompts = prompts_for(512, 4, seed=9)
     one = [r.text for r in generate(llama_dir, 1, prompts, p)]
     two = [r.text for r in generate(llama_dir, 2, prompts, p)]
-    assert all(re.fullmatch(r"[a-z]{3,12}-\d{2}", t) for t in two), two
+    assert all(re.fullmatch(r"[a-z]{3,12}-[0-9]{2}", t) for t in two), two
     assert two == one
