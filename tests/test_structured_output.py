@@ -95,7 +95,9 @@ def test_speculative_drafts_are_checked_against_the_grammar(runner, demo_dir, ti
     kw = {} if runner == "paddle" else {"runner": "torch", "device": "cpu"}
     pattern = r"(ab|cd){4,30}x"
     ps = [SamplingParams(max_tokens=80, temperature=0.0, grammar=grammar_for({"guided_regex": pattern}))] * 3
-    seeded = [SamplingParams(max_tokens=80, temperature=1.0, seed=fresh_seed + i, grammar=ps[0].grammar) for i in range(3)]
+    seeded = [
+        SamplingParams(max_tokens=80, temperature=1.0, seed=fresh_seed + i, grammar=ps[0].grammar) for i in range(3)
+    ]
     prompts = ["abab cdcd abab", "x = 1\n", "def f():\n"]
     out = {}
     for spec in ("none", "ngram"):
