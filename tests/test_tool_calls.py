@@ -228,3 +228,28 @@ def test_without_tools_or_parser_the_text_is_content(fresh_seed):
     m = r.json()["choices"][0]
     assert m["message"] == {"role": "assistant", "content": SAID} and m["finish_reason"] == "stop"
     assert "tools" not in backend.bodies[0]
+
+
+def test_the_demo_template_renders_tools_in_hermes_form(demo_dir):
+    """The trained demo's chat template: tools listed in <tools>, earlier calls as <tool_call> blocks (what
+    the hermes parser reads back), tool results as `tool` turns; without tools, plain ChatML as before."""
+    from llmserve.engine.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(demo_dir)
+    calls = [{"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]
+    msgs = [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": calls},
+        {"role": "tool", "content": "12 C", "tool_call_id": "c1"},
+    ]
+    text = tok.apply_chat_template(msgs, tools=[WEATHER])
+    assert text.startswith("<|im_start|>system\nbe brief\n\n") and json.dumps(WEATHER) in text
+    assert text.count("<|im_start|>system") == 1 and "<|im_start|>tool\n12 C<|im_end|>" in text
+    turn = text.split("<|im_start|>assistant\n")[1].split("<|im_end|>")[0]
+    _, parsed = ToolCallParser("hermes").parse(turn)
+    assert [(c.name, json.loads(c.arguments)) for c in parsed] == [("get_weather", {"city": "Oslo"})]
+    plain = tok.apply_chat_template(msgs[:2])
+    assert (
+        plain == "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nweather?<|im_end|>\n<|im_start|>assistant\n"
+    )

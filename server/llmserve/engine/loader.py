@@ -39,7 +39,20 @@ def ensure_demo_model(config: Config | None = None) -> Path:
             tmp.rename(out)  # whole or not at all: a concurrent start may have written it first
         except OSError:
             shutil.rmtree(tmp, ignore_errors=True)
+    _refresh_tokenizer_config(out)
     return out
+
+
+def _refresh_tokenizer_config(out: Path) -> None:
+    """The cache is named after the demo's weights; its chat template may have changed since (tools were
+    added to it): the cached copy follows the package's."""
+    from llmserve.models.demo import DEMO_HF_DIR
+
+    src, dst = DEMO_HF_DIR / "tokenizer_config.json", out / "tokenizer_config.json"
+    if dst.exists() and dst.read_bytes() != src.read_bytes():
+        tmp = dst.with_name(f"{dst.name}.tmp{os.getpid()}")
+        shutil.copyfile(src, tmp)
+        tmp.replace(dst)
 
 
 def resolve_model_dir(config: Config) -> Path:

@@ -28,13 +28,31 @@ from llmserve.models.demo_corpus import corpus_lines
 BOS, EOS, IM_START, IM_END = "<s>", "</s>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END)
 
-# ChatML: <|im_start|>{role}\n{content}<|im_end|>\n per message, then the assistant header.
+# ChatML: <|im_start|>{role}\n{content}<|im_end|>\n per message, then the assistant header. With `tools`
+# (OpenAI function tools), Hermes' convention, as Qwen2.5 writes it: a system message lists them in
+# <tools></tools> and asks for <tool_call> blocks; an assistant's earlier calls are such blocks; tool
+# results are `tool` messages (the hermes tool-call parser reads this format: protocol/tool_calls.py).
 CHAT_TEMPLATE = (
+    "{%- if tools -%}\n"
+    "{{- '<|im_start|>system\\n' -}}\n"
+    "{%- if messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}\n"
+    "{{- 'You may call these tools, each call one block: <tool_call>\\n"
+    '{"name": <name>, "arguments": <arguments>}\\n</tool_call>\\n<tools>\\n\' -}}\n'
+    "{%- for tool in tools -%}{{- tool | tojson -}}{{- '\\n' -}}{%- endfor -%}\n"
+    "{{- '</tools><|im_end|>\\n' -}}\n"
+    "{%- endif -%}\n"
     "{%- for message in messages -%}\n"
     "{%- if message['role'] not in ['system', 'user', 'assistant', 'tool'] -%}\n"
     "{{- raise_exception('unknown role: ' + message['role']) -}}\n"
     "{%- endif -%}\n"
-    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' -}}\n"
+    "{%- if not (tools and loop.first and message['role'] == 'system') -%}\n"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] -}}\n"
+    "{%- for call in message['tool_calls'] or [] -%}\n"
+    "{{- '\\n<tool_call>\\n' + {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson"
+    " + '\\n</tool_call>' -}}\n"
+    "{%- endfor -%}\n"
+    "{{- '<|im_end|>' + '\\n' -}}\n"
+    "{%- endif -%}\n"
     "{%- endfor -%}\n"
     "{%- if add_generation_prompt -%}\n"
     "{{- '<|im_start|>assistant\\n' -}}\n"
