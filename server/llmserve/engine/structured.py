@@ -11,12 +11,15 @@ request arrives.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 
 import numpy as np
 
 from llmserve.engine.request import Request
 
 log = logging.getLogger(__name__)
+
+COMPILED_GRAMMARS = 256  # grammars kept compiled (least recently used go first)
 
 
 class _Vocabulary:
@@ -48,6 +51,8 @@ class GrammarMatchers:
         self._ll = None  # llguidance.LLTokenizer, built on first use
         self.matchers: dict[str, object] = {}
         self.words = -(-vocab_size // 32)
+        # One fresh matcher per grammar, compiled once: requests with the same schema start from a copy.
+        self._compiled: OrderedDict[str, object] = OrderedDict()
 
     def _lltokenizer(self):
         if self._ll is None:
@@ -63,10 +68,18 @@ class GrammarMatchers:
         """A matcher for a request with a grammar; ValueError when it cannot run on this tokenizer."""
         import llguidance
 
-        m = llguidance.LLMatcher(self._lltokenizer(), req.params.grammar)
-        if m.is_error():
-            raise ValueError(f"structured output: {m.get_error()}")
-        self.matchers[req.req_id] = m
+        g = req.params.grammar
+        fresh = self._compiled.get(g)
+        if fresh is None:
+            fresh = llguidance.LLMatcher(self._lltokenizer(), g)
+            if fresh.is_error():
+                raise ValueError(f"structured output: {fresh.get_error()}")
+            self._compiled[g] = fresh
+            if len(self._compiled) > COMPILED_GRAMMARS:
+                self._compiled.popitem(last=False)
+        else:
+            self._compiled.move_to_end(g)
+        self.matchers[req.req_id] = fresh.deep_copy()
 
     def active(self) -> bool:
         return bool(self.matchers)
