@@ -3,8 +3,8 @@
 Rank 0 schedules; every rank runs the same step over its shard (parallel.py). A request is sent
 once, when a step first holds it (prompt, sampling parameters, stop ids); after that a step carries
 only what changed: per chunk its position and length, the request's output tokens since the last
-message (PENDING for those in flight, filled in on each rank's device from its own last tokens,
-which are every rank's), and its block table's new entries (the whole table again after it shrank:
+message (a token still in flight is PENDING in the chunk's inputs, as on rank 0, and each rank fills
+it in on its device from its own last tokens, which are every rank's), and its block table's new entries (the whole table again after it shrank:
 a preemption or a speculative rollback). The workers keep a mirror `Request` per req_id and drop it
 when rank 0 says the request left.
 
