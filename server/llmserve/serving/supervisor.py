@@ -223,6 +223,8 @@ class Supervisor:
         """(0, "") when ready, else (error_code, message)."""
         if self.draining:
             return NOT_READY, "the server is shutting down (draining requests in flight)"
+        if self.engine.proc is None:  # the probes answer before the children are started
+            return NOT_READY, "the engine is starting"
         if not self.engine.alive():
             return ENGINE_DOWN, "the engine process is down (restarting)"
         if self.last_hb is None:
