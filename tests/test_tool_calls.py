@@ -10,6 +10,7 @@ import pytest
 
 from llmserve.protocol.openai import OpenAIValidationError, parse_chat
 from llmserve.protocol.tool_calls import ToolCallParser, grammar
+from tests.test_http_unit import ScriptedBackend
 
 WEATHER = {
     "type": "function",
@@ -150,17 +151,12 @@ def test_protocol_checks_tools():
 
 
 # ---- through the HTTP layer, with an engine that says a given text ---------------------------------
-class TextBackend:
+class TextBackend(ScriptedBackend):
     """Streams `text` in pieces of random sizes (the way detokenized tokens arrive), then stops."""
 
     def __init__(self, text: str, seed: int) -> None:
-        self.text, self.rng, self.bodies = text, random.Random(seed), []
-
-    async def ready(self) -> bool:
-        return True
-
-    async def close(self) -> None:
-        pass
+        super().__init__()
+        self.text, self.rng = text, random.Random(seed)
 
     async def stream(self, body: dict):
         self.bodies.append(body)

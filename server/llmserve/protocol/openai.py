@@ -18,15 +18,15 @@ features not built yet (`tools`, ...) are refused by name. Beyond OpenAI (vLLM's
 
 from __future__ import annotations
 
-import json
 import uuid
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from llmserve.protocol import structured
 from llmserve.protocol.native import INT64_MAX, INT64_MIN
+from llmserve.protocol.openai_tools import AssistantToolCall, NamedToolChoice, Tool, call_arguments
 
-STRUCTURED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 MAX_N = 16  # choices per request (n x prompts), so one body cannot flood the queue
 MAX_STOPS = 4  # as OpenAI
 
@@ -50,31 +50,6 @@ class OpenAIValidationError(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
-
-
-class FunctionDef(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    name: str
-
-
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    type: Literal["function"]
-    function: NamedFunction
 
 
 class StreamOptions(BaseModel):
@@ -156,7 +131,7 @@ class _Sampling(BaseModel):
             raise OpenAIValidationError(f"tool_choice: no tool named {choice.function.name!r} in tools", "tool_choice")
         if len(set(names)) != len(names):
             raise OpenAIValidationError("tools: two tools have the same name", "tools")
-        if self.forces_tool_call and any(getattr(self, f) is not None for f in STRUCTURED_FIELDS):
+        if self.forces_tool_call and any(getattr(self, f) is not None for f in structured.FIELDS):
             raise OpenAIValidationError(
                 "response_format: cannot be combined with tool_choice required or a named function", "response_format"
             )
@@ -211,7 +186,7 @@ class _Sampling(BaseModel):
             body["logit_bias"] = self.logit_bias
         if self.ignore_eos:
             body["ignore_eos"] = True
-        for name in STRUCTURED_FIELDS:
+        for name in structured.FIELDS:
             if getattr(self, name) is not None:
                 body[name] = getattr(self, name)
         if self.calls_tools:
@@ -284,19 +259,6 @@ class TextPart(BaseModel):
     text: str
 
 
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    name: str
-    arguments: str  # JSON text, as OpenAI sends it
-
-
-class AssistantToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-    id: str
-    type: Literal["function"]
-    function: CalledFunction
-
-
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -317,17 +279,10 @@ class ChatMessage(BaseModel):
                 out[k] = getattr(self, k)
         if self.tool_calls:
             out["tool_calls"] = [
-                {"id": t.id, "type": "function", "function": {"name": t.function.name, "arguments": _args(t)}}
+                {"id": t.id, "type": "function", "function": {"name": t.function.name, "arguments": call_arguments(t)}}
                 for t in self.tool_calls
             ]
         return out
-
-
-def _args(t: AssistantToolCall) -> Any:
-    try:
-        return json.loads(t.function.arguments)
-    except ValueError:
-        return t.function.arguments
 
 
 class ChatCompletionRequest(_Sampling):
