@@ -304,15 +304,15 @@ def test_reexport_drops_stale_ranks(tmp_path):
     assert sorted(p.name for p in (out / "rank_0").iterdir()) == ["model.json", "model.pdiparams"]
 
 
-@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the CPU-build message")
-def test_runner_refuses_mp_on_cpu_build(random_exports):
+@pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the CPU build")
+def test_cpu_build_serves_mp(random_exports):
+    """MP_NUM=2 over 2 rank graphs passes the checks (served over gloo: test_paddle_tensor_parallel.py);
+    a PaddleRunner built outside llmserve.dist's group says where its ranks start."""
     _, sharded = random_exports
-    config = Config(mp_num=2, block_size=BLOCK, block_bs=1)  # no validate(): it still rejects MP_NUM > 1
-    with pytest.raises(ValueError) as e:
+    config = Config(mp_num=2, block_size=BLOCK, block_bs=1)
+    check_ranks(sharded, config)
+    with pytest.raises(ValueError, match=r"^MP_NUM=2: the Paddle runner's ranks start through llmserve.dist"):
         PaddleRunner(str(sharded), config, None)
-    msg = str(e.value)
-    assert msg.count("MP_NUM=2") == 1 and "rank_0 ... rank_1" in msg and "CPU build" in msg, msg
-    assert "LLMSERVE_RUNNER=torch" in msg and "gloo" in msg
 
 
 def test_runner_checks_rank_count(random_exports, monkeypatch):
@@ -322,15 +322,17 @@ def test_runner_checks_rank_count(random_exports, monkeypatch):
     msg = str(e.value)
     assert re.match(r"MP_NUM=1 but .* holds 2 rank graph\(s\) \(rank_0, rank_1\); .*--mp 1", msg), msg
     assert "CPU build" not in msg
-    with pytest.raises(ValueError, match=r"^MP_NUM=2 but .* holds 1 rank graph\(s\) \(rank_0\); MP_NUM=2: "):
+    with pytest.raises(ValueError, match=r"^MP_NUM=2 but .* holds 1 rank graph\(s\) \(rank_0\)$"):
         check_ranks(full, Config(mp_num=2))
     check_ranks(full, Config(mp_num=1))
-    # A GPU build with NCCL: the counts match, running them is what is missing.
+    # A GPU build: the counts match, serving them over NCCL is what is missing; LLMSERVE_DEVICE=cpu is not.
     monkeypatch.setattr(runner_module.paddle, "is_compiled_with_cuda", lambda: True)
-    monkeypatch.setattr(runner_module.paddle.base.core, "is_compiled_with_nccl", lambda: True)
     with pytest.raises(ValueError) as e:
         check_ranks(sharded, Config(mp_num=2))
-    assert "not implemented in the Paddle runner" in str(e.value) and "CPU build" not in str(e.value)
+    msg = str(e.value)
+    assert msg.startswith("MP_NUM=2: ") and "on GPU (NCCL) is not implemented in the Paddle runner" in msg, msg
+    assert "LLMSERVE_DEVICE=cpu" in msg and "LLMSERVE_RUNNER=torch" in msg
+    check_ranks(sharded, Config(mp_num=2, device="cpu"))
 
 
 if __name__ == "__main__":  # rank_worker's process: model_dir rank endpoints out

@@ -215,3 +215,24 @@ def test_structured_output_reaches_every_rank(llama_dir):
     two = [r.text for r in generate(llama_dir, 2, prompts, p)]
     assert all(re.fullmatch(r"[a-z]{3,12}-[0-9]{2}", t) for t in two), two
     assert two == one
+
+
+def test_step_message_takes_a_request_that_left_and_came_back_in_one_step():
+    """A req_id that leaves and returns in the same step (a preemption, or the offline LLM numbering
+    each call from 0) is a new request on the workers, with its own prompt and no old outputs."""
+    from llmserve.dist.step_message import StepDecoder, StepEncoder
+    from llmserve.engine.request import Request
+    from llmserve.runners.base import SeqChunk, StepBatch
+
+    enc, dec = StepEncoder(), StepDecoder()
+    old = Request("r", [1, 2, 3], SamplingParams())
+    old.block_table = [4]
+    dec.decode(enc.encode(StepBatch([SeqChunk(old, 0, 3, True)])))
+    old.output_token_ids.append(9)
+    dec.decode(enc.encode(StepBatch([SeqChunk(old, 3, 1, True)])))
+    new = Request("r", [7, 8], SamplingParams(temperature=0.5))
+    new.block_table = [2]
+    got = dec.decode(enc.encode(StepBatch([SeqChunk(new, 0, 2, True)], finished_req_ids=["r"])))
+    mirror = got.chunks[0].request
+    assert mirror.prompt_token_ids == [7, 8] and mirror.output_token_ids == [] and mirror.block_table == [2]
+    assert mirror.params.temperature == 0.5 and got.finished_req_ids == ["r"]

@@ -3,7 +3,9 @@
 `submit` sends the step's message (step_message.py) to every other rank, then launches the step on
 its own shard; the collectives inside the model keep the ranks in step, and rank 0's tokens are the
 result (every rank samples the same ones). With MP_NUM=1 the engine gets the runner itself: no
-executor, no message, no hop.
+executor, no message, no hop. A rank's runner is that of the model's format (`RankModel`): its shard
+of an HF checkpoint (torch runner), or its graph `rank_<r>` of a Paddle export (runners/paddle/ranks.py,
+on CPU over gloo).
 
 Rank 0 starts the workers of its own node (worker.py; they die with it) and watches every rank:
 a worker process that exits, or a rank whose heartbeat stops (HEARTBEAT_TIMEOUT_S), ends this whole
@@ -18,11 +20,13 @@ import logging
 import os
 import threading
 import time
+from pathlib import Path
 
 import torch
 import zmq
 
 from llmserve.config import Config
+from llmserve.engine.loader import runner_kind
 from llmserve.models.config import ModelConfig
 from llmserve.runners.base import ModelRunner, StepBatch, StepResult
 from llmserve.runners.torch.parallel import check_shardable
@@ -45,9 +49,36 @@ def threads_per_rank(lay: Layout) -> int:
     return max(1, (os.cpu_count() or 1) // lay.per_node)
 
 
+class RankModel:
+    """What every rank loads of MODEL_DIR: the runner of its format (loader.runner_kind), on its device."""
+
+    def __init__(self, model_dir: str, config: Config) -> None:
+        self.model_dir, self.config = model_dir, config
+        self.paddle = runner_kind(model_dir, config) == "paddle"
+        self.cuda = not self.paddle and pick_device(config).type == "cuda"  # Paddle ranks: CPU, gloo
+
+    def check(self, lay: Layout) -> None:
+        """Before any worker starts: what this group cannot serve, named."""
+        if self.paddle:
+            from llmserve.runners.paddle.runner import check_config
+
+            check_config(Path(self.model_dir), self.config)
+        else:
+            mc = ModelConfig.from_file(self.config.model_config_path or f"{self.model_dir}/config.json")
+            check_shardable(mc, lay.world)
+
+    def runner(self, lay: Layout, rank: int, tp, store, check=None) -> ModelRunner:
+        """Rank `rank`'s runner; `tp` and `store` from group.join."""
+        if self.paddle:
+            from llmserve.runners.paddle.ranks import load_rank
+
+            return load_rank(self.model_dir, self.config, lay, rank, store, threads_per_rank(lay), check)
+        return TorchRunner(self.model_dir, self.config, tp)
+
+
 class TPExecutor(ModelRunner):
     def __init__(
-        self, runner: TorchRunner, lay: Layout, channels: _Channels, workers: Workers, stop: threading.Event
+        self, runner: ModelRunner, lay: Layout, channels: _Channels, workers: Workers, stop: threading.Event
     ) -> None:
         self.runner, self.layout, self.workers, self._stop = runner, lay, workers, stop
         for name in ("block_size", "num_kv_blocks", "max_model_len", "eos_token_ids", "vocab_size", "overlap"):
@@ -62,10 +93,28 @@ class TPExecutor(ModelRunner):
         msg = self.encoder.encode(batch)
         for peer in self.peers:
             self.steps.send_multipart([peer, b"step", msg])
-        return self.runner.submit(batch)
+        try:
+            return self.runner.submit(batch)
+        except Exception:
+            self._fail_if_a_worker_died()
+            raise
 
     def result(self, handle: object) -> StepResult:
-        return self.runner.result(handle)
+        try:
+            return self.runner.result(handle)
+        except Exception:
+            self._fail_if_a_worker_died()
+            raise
+
+    def _fail_if_a_worker_died(self) -> None:
+        """A collective fails at once when a rank's process is gone (gloo: connection reset): end the
+        group as the monitor would a moment later, rather than raise a bare `std::exception`."""
+        deadline = time.monotonic() + HEARTBEAT_S
+        while time.monotonic() < deadline and not self._stop.is_set():
+            dead = self.workers.dead()
+            if dead is not None:
+                _fail(self.workers, f"{self.layout.where(dead[0])} exited with code {dead[1]}")
+            time.sleep(0.02)
 
     def execute(self, batch: StepBatch) -> StepResult:
         return self.result(self.submit(batch))
@@ -136,19 +185,24 @@ def _monitor(lay: Layout, hb: zmq.Socket, peers_by_rank: dict[bytes, int], worke
             if silent:
                 why = f"no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s from {', '.join(map(lay.where, silent))}"
         if why and not stop.is_set():
-            log.error("tensor-parallel group failed: %s; stopping every rank", why)
-            for p in workers.procs.values():
-                p.kill()
-            os._exit(EXIT_CODE)
+            _fail(workers, why)
         stop.wait(HEARTBEAT_S / 2)
     hb.close(0)
+
+
+def _fail(workers: Workers, why: str) -> None:
+    log.error("tensor-parallel group failed: %s; stopping every rank", why)
+    for p in workers.procs.values():
+        p.kill()
+    os._exit(EXIT_CODE)
 
 
 def start_executor(model_dir: str, config: Config) -> TPExecutor:
     """Start this node's workers, meet every rank, load rank 0's shard: the engine's executor."""
     lay = layout(config)
-    check_shardable(ModelConfig.from_file(config.model_config_path or f"{model_dir}/config.json"), lay.world)
-    cuda = pick_device(config).type == "cuda"
+    model = RankModel(model_dir, config)
+    model.check(lay)
+    cuda = model.cuda
     if not cuda:
         torch.set_num_threads(threads_per_rank(lay))
     workers = Workers(list(lay.node_ranks())[1:], env={**os.environ, **config.to_env()})  # this exact config
@@ -173,7 +227,7 @@ def start_executor(model_dir: str, config: Config) -> TPExecutor:
             check()
         threading.Thread(target=_monitor, args=(lay, ch.hb_sock, by_rank, workers, stop), daemon=True).start()
         log.info("tensor parallel: %d ranks on %d node(s) met at %s:%d", lay.world, lay.nodes, lay.master, lay.port)
-        runner = TorchRunner(model_dir, config, tp)
+        runner = model.runner(lay, 0, tp, store, check)
     except BaseException:
         stop.set()
         for p in workers.procs.values():

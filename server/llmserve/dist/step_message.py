@@ -6,7 +6,8 @@ only what changed: per chunk its position and length, the request's output token
 message (a token still in flight is PENDING in the chunk's inputs, as on rank 0, and each rank fills
 it in on its device from its own last tokens, which are every rank's), and its block table's new entries (the whole table again after it shrank:
 a preemption or a speculative rollback). The workers keep a mirror `Request` per req_id and drop it
-when rank 0 says the request left.
+when rank 0 says the request left (before the step's new requests: an id may leave and return in
+one step).
 
 msgpack map: {"new": [[req_id, prompt ids, params, eos ids], ...],
               "chunks": [[req_id, start, num_tokens, sample, new outputs, keep, table tail, drafts,
@@ -41,6 +42,10 @@ class StepEncoder:
         self.sent: dict[str, _Sent] = {}
 
     def encode(self, batch: StepBatch) -> bytes:
+        # Requests that left first: a req_id may leave and come back in the same step (a preempted
+        # request, or the offline LLM numbering each call's requests from 0), and then it is new.
+        for req_id in batch.finished_req_ids:
+            self.sent.pop(req_id, None)
         new, chunks = [], []
         for c in batch.chunks:
             req = c.request
@@ -58,8 +63,6 @@ class StepEncoder:
             chunks.append(
                 [req.req_id, c.start, c.num_tokens, c.sample, outs, keep, tail, c.draft_token_ids, c.prompt_logprobs, mask]
             )
-        for req_id in batch.finished_req_ids:
-            self.sent.pop(req_id, None)
         return dumps({"new": new, "chunks": chunks, "left": batch.finished_req_ids})
 
 
@@ -71,6 +74,8 @@ class StepDecoder:
 
     def decode(self, raw: bytes) -> StepBatch:
         msg = loads(raw)
+        for req_id in msg["left"]:  # first, as the encoder (and the runner) take them
+            self.requests.pop(req_id, None)
         for req_id, prompt, params, eos in msg["new"]:
             self.requests[req_id] = Request(req_id, prompt, SamplingParams(**params), frozenset(eos))
         chunks = []
@@ -81,6 +86,4 @@ class StepDecoder:
             req.block_table.extend(tail)
             bitmask = None if mask is None else np.frombuffer(mask, dtype=np.int32).reshape(1 + len(drafts), -1)
             chunks.append(SeqChunk(req, start, n, sample, drafts, plp, bitmask))
-        for req_id in msg["left"]:
-            self.requests.pop(req_id, None)
         return StepBatch(chunks, finished_req_ids=msg["left"])

@@ -22,10 +22,9 @@ import zmq
 
 from llmserve.config import Config
 from llmserve.engine.loader import resolve_model_dir
-from llmserve.runners.torch.runner import TorchRunner, pick_device
 from llmserve.serving.engine_core import _die_with_parent
 
-from .executor import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, threads_per_rank
+from .executor import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, RankModel, threads_per_rank
 from .group import join
 from .layout import layout
 from .step_message import StepDecoder
@@ -57,7 +56,8 @@ def main() -> None:
     rank = int(sys.argv[1])
     config = Config.from_env()
     lay = layout(config)
-    cuda = pick_device(config).type == "cuda"
+    model = RankModel(str(resolve_model_dir(config)), config)
+    cuda = model.cuda
     if cuda:
         torch.cuda.set_device(rank % lay.per_node)
     else:
@@ -70,7 +70,7 @@ def main() -> None:
     steps.send_multipart([b"hello", str(rank).encode()])
     hb_addr = store.get("heartbeat").decode()
     threading.Thread(target=_heartbeat, args=(hb_addr, rank, ctx), daemon=True).start()
-    runner = TorchRunner(str(resolve_model_dir(config)), config, tp)
+    runner = model.runner(lay, rank, tp, store)
     log.info("rank %d ready: %d KV blocks", rank, runner.num_kv_blocks)
     decoder = StepDecoder()
     with torch.inference_mode():

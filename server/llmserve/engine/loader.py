@@ -64,23 +64,30 @@ def resolve_model_dir(config: Config) -> Path:
     return Path(d)
 
 
+def runner_kind(model_dir: str | Path, config: Config) -> str:
+    """ "paddle" or "torch": LLMSERVE_RUNNER, else the model directory's format."""
+    from llmserve.models.layout import detect_model_format
+
+    if config.runner != "auto":
+        return config.runner
+    return "paddle" if detect_model_format(str(model_dir)) == "paddle" else "torch"
+
+
 def load_model(config: Config):
     """(runner, tokenizer) for config.model_dir."""
     from llmserve.engine.tokenizer import load_tokenizer
-    from llmserve.models.layout import detect_model_format
 
     model_dir = resolve_model_dir(config)
-    fmt = detect_model_format(str(model_dir))
-    kind = config.runner if config.runner != "auto" else ("paddle" if fmt == "paddle" else "torch")
-    if kind == "paddle":
+    kind = runner_kind(model_dir, config)
+    if config.mp_num > 1:  # rank 0 of a tensor-parallel group (either runner): the engine drives its executor
+        from llmserve.dist.executor import start_executor
+
+        runner = start_executor(str(model_dir), config)
+    elif kind == "paddle":
         from llmserve.engine.sampler import Sampler
         from llmserve.runners.paddle.runner import PaddleRunner
 
         runner = PaddleRunner(str(model_dir), config, Sampler(config.seed))
-    elif config.mp_num > 1:  # rank 0 of a tensor-parallel group: the engine drives its executor
-        from llmserve.dist.executor import start_executor
-
-        runner = start_executor(str(model_dir), config)
     else:
         from llmserve.runners.torch.runner import TorchRunner
 

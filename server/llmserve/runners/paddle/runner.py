@@ -3,6 +3,9 @@
 The graph (docs/model_format.md) takes one packed step and writes its K/V into per-layer
 caches in place. The caches are Paddle tensors owned here and bound to the predictor once
 (`share_external_data`); each step only copies the small index arrays in.
+
+With MP_NUM > 1 each rank of llmserve.dist's group runs one of these over its graph `rank_<r>`
+(ranks.py joins the graph's communicator first); every rank ends a step with the whole logits.
 """
 
 from __future__ import annotations
@@ -12,10 +15,12 @@ import os
 import re
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import paddle
 import paddle.inference as paddle_infer
+from paddle.base import core
 
 from llmserve.config import Config
 from llmserve.models.config import ModelConfig
@@ -32,6 +37,9 @@ from llmserve.runners.base import (
 from llmserve.runners.paddle.inputs import build_step_inputs
 from llmserve.runners.paddle.opcheck import check_kernels
 
+if TYPE_CHECKING:
+    from llmserve.runners.paddle.ranks import PaddleRank
+
 GIB = 1 << 30
 TORCH_HINT = "Serve the Hugging Face checkpoint with the torch runner (LLMSERVE_RUNNER=torch)"
 
@@ -46,6 +54,10 @@ def _span(n: int) -> str:
     return "rank_0" if n == 1 else f"rank_0 ... rank_{n - 1}"
 
 
+def paddle_device(config: Config) -> str:
+    return "gpu" if paddle.is_compiled_with_cuda() and config.device != "cpu" else "cpu"
+
+
 def check_ranks(model_dir: Path, config: Config) -> None:
     """MP_NUM against the export's rank dirs and this Paddle build: one message, before anything loads."""
     mp, ranks = config.mp_num, rank_dirs(model_dir)
@@ -58,20 +70,38 @@ def check_ranks(model_dir: Path, config: Config) -> None:
         problems.append(
             f"the Paddle runner serves one-rank exports: re-export with `llmserve export --mp 1`. {TORCH_HINT}"
         )
-    # paddle.inference creates the graphs' communicator (rank_mapping.csv) on GPU builds only, over NCCL.
-    elif not (paddle.is_compiled_with_cuda() and paddle.base.core.is_compiled_with_nccl()):
+    # On GPU, paddle.inference would create the graphs' communicator itself (NCCL, rank_mapping.csv):
+    # not written, as nothing here could test it. On CPU the ranks join a gloo group (ranks.py).
+    elif paddle_device(config) == "gpu":
         problems.append(
-            f"MP_NUM={mp}: the Paddle runner's per-rank static graphs ({_span(mp)}) need a Paddle build with "
-            f"collective ops (GPU/NCCL); this Paddle ({paddle.__version__}) is a CPU build. {TORCH_HINT}, "
-            "which runs MP_NUM ranks over gloo on CPU"
+            f"MP_NUM={mp}: serving per-rank static graphs ({_span(mp)}) on GPU (NCCL) is not implemented in the "
+            f"Paddle runner. LLMSERVE_DEVICE=cpu runs the ranks on CPU over gloo; or: {TORCH_HINT}"
         )
-    else:  # one predictor per rank with dist_config: not written, as nothing here could test it
-        where = " (LLMSERVE_DEVICE=cpu asks for CPU)" if config.device == "cpu" else ""
+    elif not hasattr(core, "ProcessGroupGloo"):
         problems.append(
-            f"MP_NUM={mp}: serving per-rank static graphs ({_span(mp)}) is not implemented in the Paddle "
-            f"runner for this GPU build{where}. {TORCH_HINT}"
+            f"MP_NUM={mp}: this Paddle ({paddle.__version__}) was built without gloo, which the ranks of "
+            f"{_span(mp)} need on CPU. {TORCH_HINT}"
         )
-    raise ValueError("; ".join(problems))
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def check_config(model_dir: Path, config: Config) -> None:
+    """Every setting the Paddle runner cannot serve this export with, in one message (at start: with
+    MP_NUM > 1, before any rank starts)."""
+    if detect_model_format(model_dir) != "paddle":
+        raise ModelFormatError(
+            f"{model_dir} is a Hugging Face checkpoint; the paddle runner needs a static-graph export "
+            "(rank_0/model.json + model.pdiparams): export it with llmserve.models.export.export_hf "
+            "or use the torch runner"
+        )
+    check_ranks(model_dir, config)
+    unsupported = ["USE_CACHE_KV_INT8=1"] if config.use_cache_kv_int8 else []
+    unsupported += [f"KV_CACHE_DTYPE={config.kv_cache_dtype}"] if config.kv_cache_dtype != "auto" else []
+    # A Paddle export runs its graph's own ops: quantizing it means exporting a quantized graph.
+    unsupported += [f"QUANT_TYPE={config.quant_type}"] if config.quant_type else []
+    if unsupported:
+        raise ValueError(f"the paddle runner does not support {', '.join(unsupported)}; use the torch runner")
 
 
 def mem_available() -> int:
@@ -90,6 +120,15 @@ def _eos_ids(model_dir: Path, mc: ModelConfig) -> frozenset[int]:
         eos = json.loads(gen.read_text()).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return frozenset(ids)
+
+
+def _kv_heads(rank_dir: Path, mc: ModelConfig) -> int:
+    """KV heads of this rank's caches: its range in tp.json (sharded exports), else the model's."""
+    tp = rank_dir / "tp.json"
+    if not tp.is_file():
+        return mc.num_key_value_heads
+    k0, k1 = json.loads(tp.read_text())["key_value_heads"]
+    return k1 - k0
 
 
 def prompt_logprobs(chunks: list[SeqChunk], logits: np.ndarray) -> list[list[TokenLogprobs]]:
@@ -119,35 +158,29 @@ def prompt_logprobs(chunks: list[SeqChunk], logits: np.ndarray) -> list[list[Tok
 class PaddleRunner(ModelRunner):
     default_long_prefill_tokens = 256  # CPU: a 2048-token chunk deep in an 8k prompt takes 14 s on 2 cores
 
-    def __init__(self, model_dir: str, config: Config, sampler):
+    def __init__(self, model_dir: str, config: Config, sampler, rank: PaddleRank | None = None):
         self.model_dir = Path(model_dir)
-        if detect_model_format(self.model_dir) != "paddle":
-            raise ModelFormatError(
-                f"{model_dir} is a Hugging Face checkpoint; the paddle runner needs a static-graph export "
-                "(rank_0/model.json + model.pdiparams): export it with llmserve.models.export.export_hf "
-                "or use the torch runner"
+        check_config(self.model_dir, config)
+        if config.mp_num > 1 and rank is None:
+            raise ValueError(
+                f"MP_NUM={config.mp_num}: the Paddle runner's ranks start through llmserve.dist's executor"
             )
-        check_ranks(self.model_dir, config)
-        unsupported = ["USE_CACHE_KV_INT8=1"] if config.use_cache_kv_int8 else []
-        unsupported += [f"KV_CACHE_DTYPE={config.kv_cache_dtype}"] if config.kv_cache_dtype != "auto" else []
-        # A Paddle export runs its graph's own ops: quantizing it means exporting a quantized graph.
-        unsupported += [f"QUANT_TYPE={config.quant_type}"] if config.quant_type else []
-        if unsupported:
-            raise ValueError(f"the paddle runner does not support {', '.join(unsupported)}; use the torch runner")
+        self.rank = rank
         self.config = config
         self.sampler = sampler
         self.model_config = mc = ModelConfig.from_file(config.model_config_path or self.model_dir / "config.json")
-        self.device = "gpu" if paddle.is_compiled_with_cuda() and config.device != "cpu" else "cpu"
-        program = paddle_program_path(self.model_dir)
+        self.device = paddle_device(config)
+        r = rank.rank if rank else 0
+        program = paddle_program_path(self.model_dir, r)
         check_kernels(program, self.device)  # before the predictor: name every op we cannot run
-        self.predictor = self._create_predictor(program, self.model_dir / "rank_0" / "model.pdiparams")
+        self.predictor = self._create_predictor(program, self.model_dir / f"rank_{r}" / "model.pdiparams")
         self._check_inputs(mc)
 
         self.block_size = config.block_size
         self.max_model_len = min(config.max_seq_len, mc.max_position_embeddings)
         self.vocab_size = mc.vocab_size
         self.eos_token_ids = _eos_ids(self.model_dir, mc)
-        kv_dim = mc.num_key_value_heads * mc.head_dim
+        kv_dim = _kv_heads(self.model_dir / f"rank_{r}", mc) * mc.head_dim
         block_bytes = 2 * mc.num_hidden_layers * config.block_size * kv_dim * 4  # K and V, all layers, float32
         self.num_kv_blocks = self._num_kv_blocks(config, mc, block_bytes)
         self.kv_caches: list[paddle.Tensor] = []
@@ -173,8 +206,9 @@ class PaddleRunner(ModelRunner):
                 cfg.delete_pass("operator_reshape_onednn_fuse_pass")
             else:
                 cfg.disable_mkldnn()
-            # 0: every core (the engine server sets LLMSERVE_PADDLE_THREADS to leave itself one).
-            threads = self.config.paddle_threads or len(os.sched_getaffinity(0))
+            # 0: every core (the engine server sets LLMSERVE_PADDLE_THREADS to leave itself one); a rank
+            # of several on a node: its share of the cores.
+            threads = self.rank.threads if self.rank else self.config.paddle_threads or len(os.sched_getaffinity(0))
             cfg.set_cpu_math_library_num_threads(threads)
         cfg.switch_ir_optim(True)
         cfg.disable_glog_info()
@@ -197,8 +231,11 @@ class PaddleRunner(ModelRunner):
         # copies), MLP and hidden states. The predictor (weights) is already loaded.
         tokens, ctx = config.max_num_batched_tokens, self.max_model_len
         act = 4 * tokens * (3 * mc.num_attention_heads * ctx + 3 * mc.intermediate_size + 8 * mc.hidden_size)
-        budget = config.kv_cache_memory_fraction * mem_available() - act - GIB // 4
+        share = self.rank.per_node if self.rank else 1  # the ranks of a node share its memory
+        budget = config.kv_cache_memory_fraction * mem_available() / share - act - GIB // 4
         blocks = min(int(budget // bytes_per_block), config.batch_size * config.max_blocks_per_seq)
+        if self.rank:  # one block table serves every rank
+            blocks = self.rank.all_min(blocks)
         if blocks < config.max_blocks_per_seq:
             raise MemoryError(
                 f"KV cache: memory for {max(blocks, 0)} blocks of {config.block_size} tokens, fewer than one "
@@ -245,3 +282,4 @@ class PaddleRunner(ModelRunner):
         self.kv_caches = []
         self._inputs = {}
         self.predictor = None
+        self.rank = None  # its group: Paddle keeps the communicator itself (ranks.py)
