@@ -257,15 +257,21 @@ def bench_trained(out: str, models: str, max_tokens: int, corpus: str = "") -> N
         engine = LLMEngine(plain_cfg, runner)
         decode_run(engine, prompts[:c], max_tokens)
         row = {"concurrency": c, "none": decode_run(engine, prompts[:c], max_tokens)}
-        for name in methods:
-            if name in proposers:
+        for name in [*methods, "mtp_every_step"]:
+            if name.startswith("mtp") and "mtp" in proposers:  # mtp_every_step: the module in every step
+                engine = engine_for(runners["mtp"], base, 5, True, proposers["mtp"])
+                if name == "mtp_every_step":
+                    engine.draft_length.may_speculate_next = lambda batch: True
+            elif name in proposers:
                 engine = engine_for(runners[name], base, 5, True, proposers[name])
-                decode_run(engine, prompts[:c], max_tokens)
-                row[name] = decode_run(engine, prompts[:c], max_tokens)
+            else:
+                continue
+            decode_run(engine, prompts[:c], max_tokens)
+            row[name] = decode_run(engine, prompts[:c], max_tokens)
         for v in row.values():
             if isinstance(v, dict):
                 v.pop("tokens", None)
-        for name in methods:
+        for name in [*methods, "mtp_every_step"]:
             if name in row:
                 row[name]["speedup"] = row[name]["decode_tok_s"] / row["none"]["decode_tok_s"]
         dec.append(row)

@@ -179,6 +179,57 @@ def test_greedy_output_with_mtp_is_the_output_without_it():
         assert not engine.proposer.head.rows, "MTP state left behind"
 
 
+class ScriptedRule:
+    """A draft-length rule that plays k from a list (then 0), and says truly what comes next."""
+
+    def __init__(self, ks: list[int]) -> None:
+        self.ks, self.i = ks, 0
+
+    def choose(self, batch: int, acceptance: float) -> int:
+        self.i += 1
+        return self.ks[self.i - 1] if self.i <= len(self.ks) else 0
+
+    def may_speculate_next(self, batch: int) -> bool:
+        return self.i < len(self.ks) and self.ks[self.i] > 0
+
+    def observe(self, *args) -> None:
+        pass
+
+
+def test_plain_steps_before_plain_steps_skip_the_module():
+    """A step whose successor will not speculate does not run the MTP module and forgets its
+    requests' kept outputs: the next speculating step proposes nothing for them, the one after does
+    again. The output is still the plain output."""
+    seed = random.randrange(1 << 30)
+    reqs = demo_workload(seed, 8)
+    plain = run(make_engine(str(DEMO_HF_DIR)), reqs)
+    engine = make_engine(str(DEMO_HF_DIR), 3)
+    engine.draft_length = ScriptedRule(([0] * 5 + [3] * 4 + [0] * 3 + [3] + [0] * 2) * 20)
+    steps, ran = [], []
+    submit, extend = engine.runner.submit, engine.runner.mtp.extend
+
+    def spy_extend(*a, **kw):
+        ran.append(1)
+        return extend(*a, **kw)
+
+    def spy_submit(batch):
+        before = len(ran)
+        handle = submit(batch)
+        decoding = [c for c in batch.chunks if c.sample and c.num_sampled_rows == c.num_tokens]
+        drafts = [bool(c.draft_token_ids) for c in decoding]
+        steps.append((batch.proposer_state, len(ran) > before, drafts))
+        return handle
+
+    engine.runner.mtp.extend, engine.runner.submit = spy_extend, spy_submit
+    assert run(engine, reqs) == plain, f"seed {seed}"
+    assert all(keep == extended for keep, extended, _ in steps)
+    assert 0 < sum(keep for keep, _, _ in steps) < len(steps), steps
+    for (keep, _, _), (_, _, drafts) in zip(steps, steps[1:]):
+        if not keep:  # the module did not run: nothing to propose from, in the next step
+            assert not any(drafts)
+    assert any(any(d) for _, _, d in steps) and engine.stats().spec_accepted_tokens > 0, f"seed {seed}"
+
+
 def test_preemption_with_mtp():
     seed = random.randrange(1 << 30)
     reqs = [

@@ -343,6 +343,31 @@ def test_draft_length_rule():
     assert stats.acceptance > 0.95 and stats.accepted_at == [100, 100, 100]
 
 
+def test_draft_length_says_when_the_next_step_may_speculate():
+    """may_speculate_next (after choose): yes at a new load, while speculation pays, and in the
+    WARMUP choices before each exploring one; no while plain steps are best."""
+    rule = DraftLength(max_k=3, saturation_tokens=256)
+    B = 4
+    assert rule.choose(B, 0.6) == 0 and rule.may_speculate_next(B)  # new load: the model may say k > 0
+    for _ in range(10):
+        rule.observe(B, 0, 0.001, B)
+        for k in (1, 2, 3):
+            rule.observe(B, k, 0.004, 1.5 * B)  # speculation measured at a loss
+    picks, says = [], []
+    for _ in range(3 * rule.EXPLORE):
+        picks.append(rule.choose(B, 0.6))
+        says.append(rule.may_speculate_next(B))
+    W = rule.WARMUP
+    assert picks.count(0) == len(picks) - 3 and says.count(True) == 3 * W
+    for i, said in enumerate(says[:-W]):
+        assert said == any(p > 0 for p in picks[i + 1 : i + 1 + W]), i  # an exploring choice is near
+    assert rule.may_speculate_next(64)  # another load: not measured yet
+    for _ in range(30):
+        rule.observe(B, 3, 0.0012, 2.5 * B)  # now verification pays
+    assert rule.choose(B, 0.6) == 3 and rule.may_speculate_next(B)
+    assert DraftLength(3, 256, adaptive=False).may_speculate_next(B)
+
+
 def test_draft_length_follows_measured_rates():
     """The rule runs a plain step first, then the k the model favours, and from then on judges each
     k by its measured tokens per second: verification steps that take 4x a plain step and give 2.5x

@@ -210,7 +210,10 @@ class LLMEngine:
         launched = None
         if sched.chunks:
             left, self._left = self._left, []
-            launched = _Launch(sched, self.runner.submit(StepBatch(sched.chunks, finished_req_ids=left)), batch, k, t0)
+            # A proposer's per-step state (mtp) is kept only while the next step may speculate.
+            keep = not spec or k > 0 or not self.proposer.per_step_state or self.draft_length.may_speculate_next(batch)
+            step = StepBatch(sched.chunks, finished_req_ids=left, proposer_state=keep)
+            launched = _Launch(sched, self.runner.submit(step), batch, k, t0)
             self._steps += 1
         t1 = time.perf_counter()
         self._schedule_time += t1 - t0

@@ -31,6 +31,10 @@ from llmserve.runners.base import ModelRunner, SeqChunk
 
 
 class Proposer(abc.ABC):
+    # Whether proposing needs work in every target step (mtp: the module over the step's positions),
+    # which the engine skips while the draft-length rule will not speculate (StepBatch.proposer_state).
+    per_step_state = False
+
     @abc.abstractmethod
     def propose(self, reqs: list[Request], k: int) -> None:
         """Set each request's `draft_token_ids` (at most k tokens; empty: nothing to propose)."""
@@ -175,6 +179,7 @@ class DraftLength:
     MARGIN = 0.05
     OUTLIER = 4.0
     EXPLORE = 32
+    WARMUP = 8  # steps that keep the proposer's state before an exploring one (may_speculate_next)
     DECAY = 0.8  # of the means: the last ~5 steps of a kind count most
 
     def __init__(self, max_k: int, saturation_tokens: int, adaptive: bool = True) -> None:
@@ -183,6 +188,7 @@ class DraftLength:
         self._seen: dict[tuple[int, int], tuple[float, float]] = {}
         self._count: dict[tuple[int, int], int] = {}  # steps observed per (batch bucket, k)
         self._steps: dict[int, int] = {}  # choices made per batch bucket
+        self._last_best: dict[int, int] = {}  # the last choice's best k per batch bucket (before exploring)
 
     @staticmethod
     def _bucket(batch: int) -> int:
@@ -231,9 +237,24 @@ class DraftLength:
             best = 0  # too close to call: switching between serial and overlapped steps costs too
         b = self._bucket(batch)
         n = self._steps[b] = self._steps.get(b, 0) + 1
+        self._last_best[b] = best
         if n % self.EXPLORE == 0:  # measure the road not taken
             return 0 if best else self.modelled(batch, acceptance)
         return best
+
+    def may_speculate_next(self, batch: int) -> bool:
+        """Whether a choice soon at this load may give k > 0 (called after `choose`): a new load, a
+        load whose best k is above 0, or an exploring choice within the next WARMUP. When not, a step
+        need not keep the proposer's per-step state (mtp: the module's K/V at its positions, so the
+        WARMUP steps before an exploring one refill the recent ones). A wrong guess (the load
+        changed) costs one step without proposals."""
+        if not self.adaptive:
+            return True
+        b = self._bucket(batch)
+        if self.rate(batch, 0) is None or self._last_best.get(b) is None:
+            return True
+        n = self._steps[b]
+        return self._last_best[b] > 0 or -(n + 1) % self.EXPLORE < self.WARMUP
 
     @staticmethod
     def _gain(acceptance: float, k: int) -> float:

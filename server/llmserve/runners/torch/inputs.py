@@ -110,23 +110,31 @@ def work_items(q_lens: np.ndarray, block_t: int) -> tuple[np.ndarray, np.ndarray
 
 
 class PinnedStaging:
-    """Two pinned host buffers used in turn, each reused only once its last copy to the device is
-    done: with overlapped steps the host packs step N+1 while step N's copy may still be queued."""
+    """A ring of pinned host buffers used in turn, each reused only once its last copy to the device
+    is done: with overlapped steps the host packs step N+1 while step N's copies may still be queued.
+    A step may upload several times (the MTP module after the step, each link of a proposal chain),
+    and a buffer's copy waits behind the step's kernels: with only two buffers, the third upload of a
+    step would wait for the device to finish its first, and the host would stop running ahead."""
+
+    SLOTS = 8
 
     def __init__(self, device: torch.device, capacity: int) -> None:
         self.pinned = device.type == "cuda"
-        self.bufs = [torch.empty(capacity, dtype=torch.int32, pin_memory=self.pinned) for _ in range(2)]
-        self.events = [torch.cuda.Event() if self.pinned else None for _ in range(2)]
+        self.capacity = capacity
+        self.bufs: list[torch.Tensor | None] = [None] * self.SLOTS  # allocated when first taken
+        self.events = [torch.cuda.Event() if self.pinned else None for _ in range(self.SLOTS)]
         self.turn = 0
 
     def take(self, size: int) -> torch.Tensor:
         """A host buffer of at least `size` int32 that no copy in flight reads."""
-        self.turn ^= 1
+        self.turn = (self.turn + 1) % self.SLOTS
         if self.events[self.turn] is not None:
             self.events[self.turn].synchronize()
-        if size > self.bufs[self.turn].numel():
-            self.bufs[self.turn] = torch.empty(2 * size, dtype=torch.int32, pin_memory=self.pinned)
-        return self.bufs[self.turn]
+        buf = self.bufs[self.turn]
+        if buf is None or size > buf.numel():
+            n = max(self.capacity, 2 * size if buf is not None else size)
+            buf = self.bufs[self.turn] = torch.empty(n, dtype=torch.int32, pin_memory=self.pinned)
+        return buf
 
     def copied(self) -> None:
         """Call right after enqueuing the copy out of the buffer `take` gave."""

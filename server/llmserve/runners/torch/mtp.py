@@ -11,7 +11,8 @@ i it takes the trunk's last hidden state h_i and the embedding of token t_{i+1} 
 Its K/V live in one more layer of the target's KV cache, at the same slots as the target's: the
 target's block tables, rollback and block lifetimes serve it unchanged. Two parts:
 
-- `MTPHead.extend`, in every target step (runner.submit, whatever k): the module over every position
+- `MTPHead.extend`, in every target step (runner.submit, whatever k) that may precede a speculating
+  one (`StepBatch.proposer_state`; the draft-length rule says when): the module over every position
   the step computed, with t_{i+1} the next input token or, at sampled rows, the token the target drew
   there (for a verification row j: the token at row j, which equals draft j + 1 where it was accepted).
   Rows past a rejection write K/V that the rollback makes stale and a later step overwrites. Each
@@ -27,6 +28,11 @@ target's block tables, rollback and block lifetimes serve it unchanged. Two part
 On CUDA the module runs as graphs captured beside the step graphs (cuda_graphs.py): after a replayed
 step over that graph's static inputs and hidden output, and for each chain step over the decode
 graph of its bucket; after an eager step, and where no graph fits, it runs eagerly.
+
+A step the rule runs plain with no speculation to follow skips the module (on a host-bound target
+it would cost a third of the step) and forgets its requests' kept y: they propose again one step
+after a step that ran it. Its positions keep no MTP entry (whatever the slots held): weaker
+proposals over that stretch, never a wrong output.
 
 The MTP entry of a position depends on the token after it, so a block shared through the prefix
 cache holds, at its last position, the entry of the request that wrote it: a weaker proposal for a
@@ -190,6 +196,7 @@ class MTPProposer(Proposer):
     """Placeholders before scheduling, the module's proposals after it (module doc)."""
 
     PLACEHOLDER = 0
+    per_step_state = True
 
     def __init__(self, runner) -> None:  # a TorchRunner with its `mtp` head
         self.runner = runner

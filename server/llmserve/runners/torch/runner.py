@@ -341,7 +341,9 @@ class TorchRunner(ModelRunner):
         else:
             tokens, lps = logits.new_zeros(0, dtype=torch.long), None
         self._last_tokens, self._last_rows = tokens, {r.req_id: i for i, r in enumerate(reqs)}
-        if self.mtp is not None:  # the MTP module's K/V at this step's positions (mtp.py)
+        if self.mtp is not None and not batch.proposer_state:  # no proposals next step: skip the module
+            self.mtp.drop([r.req_id for r in reqs])  # their kept outputs are now stale
+        elif self.mtp is not None:  # the MTP module's K/V at this step's positions (mtp.py)
             kv = self.kv_cache.layer(self.model_config.num_hidden_layers)
             run = None
             if x is None:  # a replayed graph: its inputs, and the module's own graph when captured
