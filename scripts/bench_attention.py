@@ -1,0 +1,135 @@
+#!/usr/bin/env python3
+"""Prefill attention over the paged cache: our kernel's launch shapes against torch's flash attention.
+
+Times `paged_attention` (8B shape: 32 heads, 8 KV heads, D 128, fp16 cache, blocks of 64) on prefill
+cases, for every prefill tile shape in VARIANTS, and reports causal TFLOP/s:
+F = 4 H D (n c + n (n + 1) / 2) for a chunk of n tokens after c cached ones. The reference rate is
+torch's scaled_dot_product_attention (flash, causal; K/V repeated to every head) on the same
+prompts laid out densely.
+Every variant's output is compared with the default shape's (max abs difference).
+
+Usage: PYTHONPATH=server python scripts/bench_attention.py --out attn.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from llmserve.runners.torch.inputs import work_items
+from llmserve.runners.torch.kernels import attention as A
+
+H, KVH, D, BS = 32, 8, 128, 64
+
+
+def case(ctxs: list[int], q_lens: list[int]):
+    """(q, meta builder, flops): chunks of q_lens tokens after ctxs cached ones, blocks laid out in order."""
+    nblk = [-(-(c + n) // BS) for c, n in zip(ctxs, q_lens)]
+    bt = torch.zeros(len(ctxs), max(nblk), dtype=torch.int32)
+    nxt = 0
+    for i, n in enumerate(nblk):
+        bt[i, :n] = torch.arange(nxt, nxt + n)
+        nxt += n
+    q_lens_a = np.asarray(q_lens)
+    cu = np.concatenate([[0], np.cumsum(q_lens_a)])
+    seq_lens = np.asarray(ctxs) + q_lens_a
+    T = int(cu[-1])
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.float32)
+
+    def meta() -> A.AttnMeta:
+        block_t = A.tile_tokens(H, KVH, decode_only=False)
+        single = q_lens_a == 1
+        item_seq, item_q = work_items(np.where(single, 0, q_lens_a), block_t)
+        dec = np.flatnonzero(single)
+        t = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.int32, device="cuda")  # noqa: E731
+        return A.AttnMeta(
+            t(cu), t(seq_lens), bt.cuda(), t(item_seq), t(item_q), block_t, 1, t(dec), t(np.zeros_like(dec)),
+            A.tile_tokens(H, KVH, True),
+        )  # fmt: skip
+
+    flops = sum(4 * H * D * (n * c + n * (n + 1) / 2) for c, n in zip(ctxs, q_lens))
+    return q, meta, flops, nxt
+
+
+def gpu_ms(fn, reps: int = 20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for _ in range(reps):
+        fn()
+    e.record()
+    e.synchronize()
+    return s.elapsed_time(e) / reps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="attn.json")
+    a = ap.parse_args()
+    rng = np.random.default_rng(0)
+    cases = {
+        "prefill_1848": ([0], [1848]),
+        "prefill_4x512": ([0] * 4, [512] * 4),
+        "chunk_2048_after_2048": ([2048], [2048]),
+        "mixed_200dec_1848pf": (rng.integers(400, 1000, 200).tolist() + [0], [1] * 200 + [1848]),
+    }
+    default = dataclasses.replace(A.PREFILL_TILE)
+    variants = [default] + [
+        A.Tile(r, n, w, s)
+        for r, n, w, s in itertools.product([64, 128], [64, 128], [4, 8], [1, 2, 3, 4])
+        if (r, n, w, s) != dataclasses.astuple(default)
+    ]
+    res: dict = {"device": torch.cuda.get_device_name(), "default": dataclasses.asdict(default), "cases": {}}
+    for name, (ctxs, q_lens) in cases.items():
+        q, meta, flops, nblocks = case(ctxs, q_lens)
+        kc = torch.randn(nblocks, KVH, BS, D, device="cuda", dtype=torch.float16)
+        vc = torch.randn_like(kc)
+        rows, want = [], None
+        for v in variants:
+            A.PREFILL_TILE = v
+            try:
+                m = meta()
+                out = A.paged_attention(q, kc, vc, m, D**-0.5, torch.bfloat16)
+                ms = gpu_ms(lambda m=m, q=q, kc=kc, vc=vc: A.paged_attention(q, kc, vc, m, D**-0.5, torch.bfloat16))
+            except Exception as e:  # noqa: BLE001 - a shape that does not fit (shared memory)
+                rows.append(dict(tile=dataclasses.asdict(v), error=repr(e)[:200]))
+                continue
+            if want is None:
+                want = out
+            err = (out.float() - want.float()).abs().max().item()
+            rows.append(dict(tile=dataclasses.asdict(v), ms=ms, tflops=flops / ms / 1e9, max_diff=err))
+        A.PREFILL_TILE = default
+        ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+        entry = dict(flops=flops, default=rows[0], best=ok[:5], errors=[r for r in rows if "error" in r][:3])
+        if all(c == 0 for c in ctxs) and min(q_lens) > 1:  # dense flash reference, one prompt at a time
+            dense = [
+                (torch.randn(1, H, n, D, device="cuda", dtype=torch.bfloat16),
+                 torch.randn(1, H, n, D, device="cuda", dtype=torch.bfloat16),
+                 torch.randn(1, H, n, D, device="cuda", dtype=torch.bfloat16))
+                for n in q_lens
+            ]  # fmt: skip
+
+            def sdpa(dense=dense):
+                for qq, kk, vv in dense:
+                    F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
+
+            try:
+                ms = gpu_ms(sdpa)
+                entry["torch_sdpa"] = dict(ms=ms, tflops=flops / ms / 1e9)
+            except Exception as e:  # noqa: BLE001
+                entry["torch_sdpa"] = dict(error=repr(e)[:200])
+        res["cases"][name] = entry
+        print(name, json.dumps(dict(default=rows[0], best=ok[:3], sdpa=entry.get("torch_sdpa"))), flush=True)
+        with open(a.out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
