@@ -147,6 +147,23 @@ def roofline(mc, prompt_lens: list[int], output_lens: list[int], bw: float, peak
     return dict(prefill_s=t_prefill, decode_s=t_decode, total_s=t, output_tok_s=float(o.sum()) / t)
 
 
+def offline_requests(vocab: int, n_req: int = 256, seed: int = 1234):
+    """The offline workload: (requests, prompt lengths, output lengths); prompts U[128, 1024], outputs
+    U[64, 512], sampled at temperature 0.8 with per-request seeds, eos ignored."""
+    rs = np.random.default_rng(seed)
+    plen = rs.integers(128, 1025, n_req)
+    olen = rs.integers(64, 513, n_req)
+    reqs = [
+        (
+            f"q{i}",
+            rs.integers(0, vocab, int(plen[i])).tolist(),
+            SamplingParams(max_tokens=int(olen[i]), temperature=0.8, seed=i, ignore_eos=True),
+        )
+        for i in range(n_req)
+    ]
+    return reqs, plen, olen
+
+
 def bench_ours(model_dir: str, weight_bytes_hint: int, bw: float, seed: int, out: str, n_req: int) -> None:
     cfg = Config(
         batch_size=256, max_seq_len=2048, block_size=64, max_num_batched_tokens=2048, enable_prefix_caching=False
@@ -205,17 +222,7 @@ def bench_ours(model_dir: str, weight_bytes_hint: int, bw: float, seed: int, out
     save(out)
 
     # offline throughput
-    rs = np.random.default_rng(1234)
-    plen = rs.integers(128, 1025, n_req)
-    olen = rs.integers(64, 513, n_req)
-    reqs = [
-        (
-            f"q{i}",
-            rs.integers(0, V, int(plen[i])).tolist(),
-            SamplingParams(max_tokens=int(olen[i]), temperature=0.8, seed=i, ignore_eos=True),
-        )
-        for i in range(n_req)
-    ]
+    reqs, plen, olen = offline_requests(V, n_req)
     R["throughput_requests"] = [(r[0], len(r[1]), r[2].max_tokens) for r in reqs]
     timer.steps.clear()
     got, first, wall = run_engine(engine, reqs)

@@ -5,9 +5,14 @@ One run, one JSON (rewritten after every section, so a time limit loses only the
   - check: a tiny random bf16 Llama (8 heads, 2 KV heads), 16 prompts x 64 greedy tokens with CUDA
     graphs, at MP_NUM = 1 and each N of --mp: the tokens must be equal, else the first divergence and
     the logit margin there (MP_NUM=1's top-1 minus top-2 logprob: a near-tie when small);
-  - decode: the --model checkpoint (a random Llama-3-8B-shaped one is written when absent) at each MP_NUM:
+  - decode: the --model checkpoint (a random one of --shape is written when absent) at each MP_NUM:
     batch-1 decode ms/step (prompt 128, 256 new tokens) and batch-64 (64 x 128 new tokens), against the
-    floor = MP_NUM=1's weight bytes / (N x copy bandwidth of GPU 0);
+    floor = MP_NUM=1's weight bytes / (N x copy bandwidth of GPU 0); where one GPU cannot hold the model
+    (70B), MP_NUM=1 is not run and its weight bytes are taken as N x rank 0's (rank 0 reads 1/N of
+    every matrix: the shards are equal, the replicated norms negligible);
+  - offline (with --offline, in the same engine): the 256-request workload of bench_gpu.py, output tok/s
+    against the roofline of N GPUs (bench_gpu.roofline at N x the copy bandwidth and N x the matmul rate:
+    perfect scaling, collectives free);
   - allreduce: the collectives of one decode step alone (the embedding's all-reduce, two per layer, the LM
     head's all-gather) at batch 1 and 64, in a CUDA graph over N processes: their time per step.
 
@@ -28,11 +33,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from bench_gpu import copy_bandwidth  # the same floor as the single-GPU benchmark
+from bench_gpu import copy_bandwidth, matmul_tflops, offline_requests, roofline, run_engine  # as on one GPU
 
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.sampling_params import SamplingParams
+from llmserve.models.config import ModelConfig
 from llmserve.runners.torch.random_model import SHAPES, write_random_checkpoint
 
 R: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "gpus": 0}
@@ -114,13 +120,32 @@ def check(mps: list[int], work: Path) -> None:
 
 
 # ---- decode -------------------------------------------------------------------------------------
-def decode(model_dir: str, mps: list[int], bw: float) -> None:
+def fits_one_gpu(model_dir: str) -> bool:
+    size = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors"))
+    return size < 0.8 * torch.cuda.get_device_properties(0).total_memory
+
+
+def offline(eng: LLMEngine, mp: int, bw: float, model_dir: str) -> dict:
+    """bench_gpu's offline workload on this engine; the roofline of mp GPUs (of the whole model: a
+    rank's own model_config has its shard's sizes)."""
+    reqs, plen, olen = offline_requests(eng.runner.vocab_size)
+    got, _, wall = run_engine(eng, reqs)
+    n_out = sum(len(v) for v in got.values())
+    mc = ModelConfig.from_file(f"{model_dir}/config.json")
+    roof = roofline(mc, plen.tolist(), olen.tolist(), mp * bw, mp * R["matmul_tflops"] * 1e12)
+    bad = [rid for rid, _, p in reqs if len(got[rid]) != p.max_tokens]
+    return dict(output_tokens=n_out, wall_s=wall, tok_s=n_out / wall, roofline=roof,
+                vs_roofline=n_out / wall / roof["output_tok_s"], requests_bad=bad)  # fmt: skip
+
+
+def decode(model_dir: str, mps: list[int], bw: float, with_offline: bool) -> None:
     """MP_NUM > 1 first: this process, rank 0 of each group, can give symmetric memory to one group only."""
     R["decode"] = {}
     rng = np.random.default_rng(1)
-    for mp in [*mps, 1]:
+    one = fits_one_gpu(model_dir)
+    for mp in [*mps, 1] if one else mps:
         t = time.perf_counter()
-        eng = engine_for(model_dir, mp, batch_size=256, max_seq_len=2048, max_num_batched_tokens=2048)
+        eng = engine_for(model_dir, mp, batch_size=256, max_seq_len=2048, max_num_batched_tokens=2048, block_size=64)
         load = time.perf_counter() - t
         runner = getattr(eng.runner, "runner", eng.runner)
         tp = runner.tp
@@ -138,10 +163,16 @@ def decode(model_dir: str, mps: list[int], bw: float) -> None:
             load_s=load, rank0_weight_bytes=runner.model.weight_bytes, b1_ms_per_step=b1, b64_ms_per_step=b64,
             b64_tok_s=64 / b64 * 1e3 if b64 else None, small_sums="one-shot" if tp.one_shot else "NCCL",
         )  # fmt: skip
+        save()
+        if with_offline:
+            R["decode"][str(mp)]["offline"] = offline(eng, mp, bw, model_dir)
         close(eng)
         for m, r in R["decode"].items():  # the floor: MP_NUM=1's weight bytes over N GPUs' bandwidth
-            if "1" in R["decode"]:
-                r["floor_ms"] = R["decode"]["1"]["rank0_weight_bytes"] / (int(m) * bw) * 1e3
+            total = R["decode"]["1"]["rank0_weight_bytes"] if "1" in R["decode"] else None
+            if total is None and not one:
+                total = int(m) * r["rank0_weight_bytes"]
+            if total is not None:
+                r["floor_ms"] = total / (int(m) * bw) * 1e3
                 r["b1_vs_floor"] = r["b1_ms_per_step"] / r["floor_ms"]
         print(f"decode MP_NUM={mp}: {R['decode'][str(mp)]}", flush=True)
         save()
@@ -262,6 +293,8 @@ def main() -> None:
     ap.add_argument("--work", default="/dev/shm/llmserve-tp" if os.path.isdir("/dev/shm") else "/tmp/llmserve-tp")
     ap.add_argument("--out", default="tp.json")
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: check,decode,allreduce")
+    ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="of the random checkpoint")
+    ap.add_argument("--offline", action="store_true", help="also the 256-request offline workload at each MP_NUM")
     a = ap.parse_args()
     OUT = a.out
     mps = [int(x) for x in a.mp.split(",")]
@@ -275,10 +308,15 @@ def main() -> None:
         check(mps, work)
     if cuda and "decode" not in skip:
         R["copy_tb_s"] = bw = copy_bandwidth()
-        model = str(write_random_checkpoint(Path(a.model) if a.model else work / "llama3-8b", "llama3-8b"))
-        decode(model, mps, bw)
+        R["matmul_tflops"] = matmul_tflops() / 1e12
+        R["shape"] = a.shape
+        t = time.perf_counter()
+        model = str(write_random_checkpoint(Path(a.model) if a.model else work / a.shape, a.shape))
+        R["checkpoint_s"] = time.perf_counter() - t
+        save()
+        decode(model, mps, bw, a.offline)
     if cuda and "allreduce" not in skip:
-        allreduce(mps, SHAPES["llama3-8b"])
+        allreduce(mps, SHAPES[a.shape])
     save()
     print(json.dumps(R, indent=1), flush=True)
     os._exit(0)  # leftover NCCL / spawn teardown must not hold the call

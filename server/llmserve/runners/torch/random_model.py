@@ -25,6 +25,16 @@ SHAPES = {
         num_key_value_heads=8,
         rope_theta=500000.0,
     ),
+    # Llama-3-70B: 70.55 B parameters, 141.1 GB in bf16
+    "llama3-70b": dict(
+        vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        rope_theta=500000.0,
+    ),
     "tiny": dict(
         vocab_size=512,
         hidden_size=128,
