@@ -315,10 +315,18 @@ def _split(M: int, N: int, K: int, cfg: dict, sms: int, per_sm: dict[int, int]) 
     return _cdiv(iters, per_split), per_split  # no empty slice
 
 
+# w8, up to 16 rows (batch-1 decode): 128 weight rows x 128 K a tile, 4 warps, 3 stages, K split so that about
+# 4 tiles per SM stream at once. Swept on an H100 over the 8B shapes (scripts/sweep_w8_decode.py): 1.1-1.5x
+# faster than 64 x 256 tiles with 2 per SM, about 1.24x the weights' memory floor over a layer.
+_W8_DECODE = dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
+
+
 def _plan_w8(M: int, N: int, K: int, sms: int, wide: bool = False) -> tuple[dict, int, int]:
     """(kernel meta-parameters, K slices, K tiles per slice) of w8a16_linear."""
     cfg = _config(M, N, 256, sms, wide)
-    split, per_split = _split(M, N, K, cfg, sms, {16: 2, 32: 2, 64: 1})
+    if M <= 16 and not wide:
+        cfg.update(_W8_DECODE)
+    split, per_split = _split(M, N, K, cfg, sms, {16: 2 if wide else 4, 32: 2, 64: 1})
     meta = dict(cfg, ATOMIC=split > 1, EVEN_K=K % cfg["BLOCK_K"] == 0, PERM=M <= SMALL_M, GROUP=8)
     return meta, split, per_split
 
