@@ -6,6 +6,9 @@ every combination of BLOCK_N, BLOCK_K, warps, stages and K slices (programs = wa
 bench_quant_gemm times them (CUDA graphs, weights cycled through HBM), each checked against the fp32
 reference. Prints the plan's time, the best five, and each one's fraction of the memory floor.
 
+Rows above SMALL_M (64) sweep the large-M plan's tiles instead (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages;
+one pass over K), beside bf16 cuBLAS at the same M.
+
 Usage: PYTHONPATH=server python scripts/sweep_w8_decode.py --out sweep.json [--rows 1,4,16]
 """
 
@@ -42,7 +45,7 @@ def measure(c: dict, meta: dict, split: int, per: int, label: str) -> dict:
         us = time_graph(lambda i: launch(x, w8[i], meta, split, per, out), c["copies"])
     except Exception as e:  # noqa: BLE001 - a shape that does not compile or fit
         return dict(label=label, error=repr(e)[:160])
-    cfg = {k: meta[k] for k in ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
+    cfg = {k: meta[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")}
     return dict(label=label, **cfg, split=split, us=us, vs_floor=us / c["floor_us"], err=err)
 
 
@@ -67,8 +70,19 @@ def main() -> None:
 
         c = dict(x=x, w8=w8, out=out, ref=ref, copies=copies, floor_us=floor_us)
         base = measure(c, plan, split0, per0, "plan")
+        wb = [w["bf16"][0]["weight"] for w in ws]
+        bf16_us = time_graph(lambda i, x=x, wb=wb: torch.mm(x, wb[i].t(), out_dtype=torch.float32), copies)
         bm = plan["BLOCK_M"]
+        if M > Q.SMALL_M:  # one pass over K per tile (no split): the tile shapes of the large-M plan
+            for bm, bn, bk, warps, stages in itertools.product(
+                [64, 128, 256], [64, 128, 256], [64, 128], [4, 8], [2, 3, 4]
+            ):
+                meta = dict(plan, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+                meta.update(EVEN_K=K % bk == 0)
+                rows.append(measure(c, meta, 1, Q._cdiv(K, bk), "large"))
         for bn, bk, warps, stages in itertools.product([64, 128], [128, 256, 512], [4, 8], [2, 3, 4, 6]):
+            if M > Q.SMALL_M:
+                break
             iters = Q._cdiv(K, bk)
             tiles = Q._cdiv(M, bm) * Q._cdiv(N, bn)
             for waves in (1, 2, 3, 4, 6, 8):
@@ -81,13 +95,13 @@ def main() -> None:
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
         dedup, seen = [], set()
         for r in ok:
-            key = (r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["num_stages"], r["split"])
+            key = (r["BLOCK_M"], r["BLOCK_N"], r["BLOCK_K"], r["num_warps"], r["num_stages"], r["split"])
             if key not in seen:
                 seen.add(key)
                 dedup.append(r)
-        case = dict(shape=name, M=M, N=N, K=K, floor_us=floor_us, plan=base, best=dedup[:5])
+        case = dict(shape=name, M=M, N=N, K=K, floor_us=floor_us, bf16_us=bf16_us, plan=base, best=dedup[:5])
         res["cases"].append(case)
-        print(json.dumps(dict(shape=name, M=M, plan=base, best=dedup[:3])), flush=True)
+        print(json.dumps(dict(shape=name, M=M, bf16_us=bf16_us, plan=base, best=dedup[:3])), flush=True)
         with open(a.out, "w") as f:
             json.dump(res, f, indent=1)
 
