@@ -243,6 +243,41 @@ def test_engine_server_cancel_then_same_req_id(engine_server):
         client.close(0)
 
 
+def test_engine_server_admits_a_burst_up_to_the_batch_and_its_queue(demo_dir):
+    """A burst sent at once (its texts encoded together): the BATCH_SIZE that will run and
+    MAX_CACHED_TASK_NUM more are admitted, the rest get 429 naming the setting; each admitted request's
+    text is the one it gets alone (its prompt's ids are its own)."""
+    from llmserve.serving.engine_server import start
+    from llmserve.serving.ipc import dumps, endpoint
+    from llmserve.serving.testing import free_ports
+
+    port = free_ports(1)[0]
+    server = start(Config.from_env({}, model_dir=demo_dir, inter_proc_port=port, batch_size=4, max_cached_task_num=2))
+    server.sock.bind(endpoint(port))
+    client = dealer(port, b"burst")
+    prompts = ["def f(x):\n", "import os\n", "class A:\n", "for i in range(3):\n", "x = [", "while True:\n"]
+    body = {"max_dec_len": 6, "min_dec_len": 6, "temperature": 0}
+    items: list = []
+    try:
+        for i, p in enumerate(prompts + ["z = 1\n", "print(", "# a", "y"]):  # 4 + 2 fit, 4 more
+            client.send(dumps({"op": "add", "body": json.dumps(body | {"text": p, "req_id": f"b{i}"})}))
+        pump(server, lambda: sum(i["is_end"] for i in received(client, items)) == len(prompts) + 4)
+        ends = {i["req_id"]: i for i in items if i["is_end"]}
+        rejected = [r for r, i in ends.items() if i["error_code"] == 429]
+        assert sorted(rejected) == ["b6", "b7", "b8", "b9"] and all(
+            "MAX_CACHED_TASK_NUM" in ends[r]["error_msg"] for r in rejected
+        )
+        burst = {r: "".join(i.get("result", "") for i in items if i["req_id"] == r) for r in ends if r not in rejected}
+        for i, p in enumerate(prompts):  # alone, one after another
+            alone: list = []
+            client.send(dumps({"op": "add", "body": json.dumps(body | {"text": p, "req_id": f"a{i}"})}))
+            pump(server, lambda alone=alone: any(i["is_end"] for i in received(client, alone)))
+            assert "".join(i.get("result", "") for i in alone) == burst[f"b{i}"], p
+    finally:
+        client.close(0)
+        server._shutdown()
+
+
 def test_engine_server_aborts_the_requests_of_a_client_that_is_gone(engine_server):
     """A client whose connection closed (a killed Triton stub) gets its requests aborted and their KV
     blocks freed at the next send to it; another client's requests run on."""

@@ -105,12 +105,12 @@ def test_served_model_names():
 
 
 def test_prompt_token_ids_uses_the_chat_template_for_messages_and_system():
-    class Tok:
-        def encode(self, text):
-            return [len(text)]
+    class Tok:  # a plain text: its length; a rendered chat (no special tokens added): its characters
+        def encode(self, text, add_special_tokens=True):
+            return [len(text)] if add_special_tokens else [ord(c) for c in text]
 
-        def encode_chat(self, messages):
-            return [ord(m["role"][0]) for m in messages]
+        def apply_chat_template(self, messages):
+            return "".join(m["role"][0] for m in messages)
 
     tok = Tok()
     assert native.prompt_token_ids(native.parse({"text": "abc"}), tok) == [3]
@@ -141,3 +141,38 @@ def test_launcher_uses_an_image_s_own_tritonserver(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITONSERVER_BIN", str(tmp_path / "missing"))
     with pytest.raises(launcher.TritonNotFound, match="TRITONSERVER_BIN"):
         launcher.triton_command(grpc_port=1, metrics_port=2, work_dir=tmp_path / "w3")
+
+
+def test_parse_burst_gives_each_request_its_own_ids_or_error():
+    """A burst parsed and encoded at once: each body's ids are what prompt_token_ids gives it alone
+    (text with special tokens, a chat rendering without, input_ids as given); a body that does not
+    parse and a chat template's error stay with their own request."""
+    from llmserve.engine.tokenizer import load_tokenizer
+    from llmserve.models.demo import DEMO_HF_DIR
+
+    tok = load_tokenizer(str(DEMO_HF_DIR))
+    bodies = [
+        {"text": "def f(x):\n    return x"},
+        {"messages": [{"role": "user", "content": "import os"}]},
+        {"input_ids": [5, 6, 7]},
+        "{not json",
+        {"text": "class A:\n    pass", "system": "be brief"},
+        {"messages": [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}, 1]},
+        {"text": "for i in range(3):"},
+    ]
+    got = native.parse_burst(bodies, tok)
+    assert len(got) == len(bodies)
+    for body, entry in zip(bodies, got):
+        try:
+            req = native.parse(body)
+        except NativeError:
+            assert isinstance(entry, NativeError)
+            continue
+        assert entry[0].model_dump(exclude={"req_id"}) == req.model_dump(exclude={"req_id"})  # ids: fresh uuids
+        try:
+            want = native.prompt_token_ids(req, tok)
+        except NativeError as e:
+            assert isinstance(entry[1], NativeError) and entry[1].msg == e.msg
+            continue
+        assert entry[1] == want
+    assert sum(isinstance(e, tuple) and isinstance(e[1], list) for e in got) >= 4  # the valid ones encoded

@@ -270,3 +270,16 @@ def test_tokenizer_json_wins_over_sentencepiece(demo_dir, sp_dir, tmp_path):
     d = _copy_demo(demo_dir, tmp_path / "both")
     (d / "tokenizer.model").write_bytes((sp_dir / "tokenizer.model").read_bytes())
     assert type(load_tokenizer(d)._backend).__name__ == "_FastBackend"
+
+
+def test_encode_batch_is_encode_of_each(demo_dir, sp_dir, tmp_path, rng):
+    """Every backend (tokenizer.json, with add_bos/add_eos from the config too, SentencePiece, HF's
+    AutoTokenizer): a burst encoded at once gives each text's own ids, with and without special tokens."""
+    bos_eos = _copy_demo(demo_dir, tmp_path / "bos")
+    _write_config(bos_eos, add_bos_token=True, add_eos_token=True)
+    toks = [load_tokenizer(demo_dir), load_tokenizer(bos_eos), load_tokenizer(sp_dir), load_tokenizer(demo_dir, True)]
+    texts = [random_text(rng, 200) for _ in range(24)] + ["<|im_start|>user\nhi<|im_end|>", "x"]
+    for tok in toks:
+        for special in (True, False):
+            assert tok.encode_batch(texts, special) == [tok.encode(t, special) for t in texts], (tok, special)
+        assert tok.encode_batch(texts[:1]) == [tok.encode(texts[0])] and tok.encode_batch([]) == []

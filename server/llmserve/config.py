@@ -233,7 +233,9 @@ class Config:
     enable_prefix_caching: bool = _setting(
         "ENABLE_PREFIX_CACHING", True, _bool, doc="reuse KV blocks of shared prompt prefixes"
     )
-    max_cached_task_num: int = _setting("MAX_CACHED_TASK_NUM", 128, _positive_int, doc="queue limit: reject beyond it")
+    max_cached_task_num: int = _setting(
+        "MAX_CACHED_TASK_NUM", 128, _positive_int, doc="requests waiting beyond BATCH_SIZE: reject beyond it"
+    )
     # behaviour
     disable_streaming: bool = _setting("DISABLE_STREAMING", False, _bool, doc="send the whole result at once")
     use_warmup: bool = _setting("USE_WARMUP", False, _bool, doc="warm up before ready")

@@ -82,6 +82,9 @@ class _FastBackend:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch(texts, add_special_tokens=add_special_tokens)]
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
@@ -275,6 +278,22 @@ class Tokenizer:
                 ids.append(self.eos_token_id)
         return ids
 
+    def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
+        """`encode` of each text; a tokenizer.json backend encodes them in one call, on all cores (a burst of
+        prompts is admitted at once rather than one prompt after another)."""
+        batch = getattr(self._backend, "encode_batch", None)
+        explicit = self._add_bos is not None or self._add_eos is not None
+        if batch is None or len(texts) < 2:
+            return [self.encode(t, add_special_tokens) for t in texts]
+        out = batch(texts, add_special_tokens and not explicit)
+        if add_special_tokens and explicit:
+            for ids in out:
+                if self._add_bos and self.bos_token_id is not None:
+                    ids.insert(0, self.bos_token_id)
+                if self._add_eos and self.eos_token_id is not None:
+                    ids.append(self.eos_token_id)
+        return out
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._backend.decode(ids, skip_special_tokens)
 
@@ -321,7 +340,7 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> list[int]:
         return self.encode(
             self.apply_chat_template(messages, add_generation_prompt, **kwargs), add_special_tokens=False
-        )
+        )  # the template writes the special tokens it wants
 
 
 def _read_json(path: Path) -> dict:

@@ -159,9 +159,52 @@ def parse(body: bytes | str | dict) -> NativeRequest:
     return req
 
 
+def parse_burst(bodies: list, tokenizer) -> list[tuple[NativeRequest, list[int] | Exception] | Exception]:
+    """Each body parsed, with its prompt's ids or the error making them; a body that does not parse: its
+    error. The texts are encoded in one call (`Tokenizer.encode_batch`, on all cores), so that a burst of
+    requests is admitted at once rather than one prompt after another."""
+    out: list = []
+    texts: dict[bool, list[tuple[int, str]]] = {True: [], False: []}  # add special tokens -> (index, text)
+    for i, body in enumerate(bodies):
+        try:
+            req = parse(body)
+        except Exception as e:  # noqa: BLE001 - the caller answers it, in order
+            out.append(e)
+            continue
+        try:
+            src = prompt_source(req, tokenizer)
+        except Exception as e:  # noqa: BLE001 - raised after the request's other checks
+            src = e
+        if isinstance(src, tuple):
+            texts[src[1]].append((i, src[0]))
+        out.append((req, src))
+    for special, items in texts.items():
+        if not items:
+            continue
+        try:
+            encoded = tokenizer.encode_batch([t for _, t in items], special)
+        except Exception:  # noqa: BLE001 - one at a time, so that each request gets its own error
+            encoded = []
+            for _, t in items:
+                try:
+                    encoded.append(tokenizer.encode(t, special))
+                except Exception as e:  # noqa: BLE001
+                    encoded.append(e)
+        for (i, _), ids in zip(items, encoded):
+            out[i] = (out[i][0], ids)
+    return out
+
+
 def prompt_token_ids(req: NativeRequest, tokenizer) -> list[int]:
     """Token ids of the prompt: `text` is encoded as is (as `llmserve generate` does);
     `messages` (and `text` with `system`) go through the chat template."""
+    src = prompt_source(req, tokenizer)
+    return src if isinstance(src, list) else tokenizer.encode(*src)
+
+
+def prompt_source(req: NativeRequest, tokenizer) -> list[int] | tuple[str, bool]:
+    """The prompt's token ids when the request gives them, else (text to encode, add special tokens):
+    the text as is, or the chat template's rendering (which writes its own special tokens)."""
     if req.tools is not None and req.messages is None:
         raise NativeError(BAD_REQUEST, "tools: only with messages (the chat template renders them)", "tools")
     if req.input_ids is not None:
@@ -173,9 +216,9 @@ def prompt_token_ids(req: NativeRequest, tokenizer) -> list[int]:
     elif req.system:
         messages = [{"role": "system", "content": req.system}, {"role": "user", "content": req.text}]
     else:
-        return tokenizer.encode(req.text)
+        return req.text, True
     try:
-        return tokenizer.encode_chat(messages, **({"tools": req.tools} if req.tools else {}))
+        return tokenizer.apply_chat_template(messages, **({"tools": req.tools} if req.tools else {})), False
     except ValueError as e:  # ChatTemplateError
         raise NativeError(BAD_REQUEST, f"chat template: {e}", req.prompt_field) from None
 

@@ -125,15 +125,19 @@ class EngineServer:
 
     # ---- clients -> core -------------------------------------------------------
     def _drain(self) -> None:
+        msgs = []
         for _ in range(10_000):
             try:
                 client, raw = self.sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
-                return
-            msg = loads(raw)
+                break
+            msgs.append((client, loads(raw)))
+        # A burst's prompts are encoded together, then admitted in order.
+        parsed = iter(native.parse_burst([m["body"] for _, m in msgs if m.get("op") == "add"], self.tokenizer))
+        for client, msg in msgs:
             op = msg.get("op")
             if op == "add":
-                self._add(client, msg["body"], msg.get("req_id"))
+                self._add(client, msg["body"], msg.get("req_id"), next(parsed))
             elif op == "abort":
                 if self._end(msg["req_id"]) is not None:
                     self.cancelled += 1
@@ -141,24 +145,30 @@ class EngineServer:
                 (self.monitors if msg.get("role") == "monitor" else self.adapters).add(client)
                 log.info("%s connected: %s", msg.get("role"), client.decode(errors="replace"))
 
-    def _add(self, client: bytes, body: str | bytes | dict, req_id: str | None) -> None:
+    def _add(self, client: bytes, body: str | bytes | dict, req_id: str | None, parsed=None) -> None:
         """Admit one request (answering a rejection at once) and hand it to the core. This is where a
         request is parsed and checked, once (protocol/native.py). `req_id` (beside the body) names the
-        rejection of a body that does not parse."""
+        rejection of a body that does not parse; `parsed`: native.parse_burst's entry for the body."""
         try:
-            req = native.parse(body)
+            parsed = native.parse_burst([body], self.tokenizer)[0] if parsed is None else parsed
+            if isinstance(parsed, Exception):
+                raise parsed
+            req, ids = parsed
             req_id = req.req_id
             if self.draining:
                 raise NativeError(native.NOT_READY, "the server is shutting down: not taking new requests")
             if req_id in self.live:
                 raise NativeError(native.DUPLICATE, f"req_id {req_id!r} is already in flight", "req_id")
-            queued = self.kv[1] + self.adds_sent - self.core_adds  # waiting in the core, or on the way there
+            # Beyond the batch's BATCH_SIZE slots: a burst the core has not scheduled yet is not a queue.
+            in_core = self.kv[0] + self.kv[1] + self.adds_sent - self.core_adds  # running, waiting, on the way
+            queued = in_core - self.cfg.batch_size
             if queued >= self.cfg.max_cached_task_num:
                 raise NativeError(
                     native.QUEUE_FULL, f"the queue is full (MAX_CACHED_TASK_NUM={self.cfg.max_cached_task_num})"
                 )
             native.check_model(req.model, self.model_names)
-            ids = native.prompt_token_ids(req, self.tokenizer)
+            if isinstance(ids, Exception):  # the prompt's (a chat template's): after the checks above
+                raise ids
             params = native.admit(req, ids, self.context, self.cfg.max_dec_len, self.vocab_size)
             now = time.monotonic()
             core_id = str(self.next_core_id + 1)
