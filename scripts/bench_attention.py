@@ -21,6 +21,7 @@ import json
 import numpy as np
 import torch
 import torch.nn.functional as F
+from bench_gpu import gpu_ms
 
 from llmserve.runners.torch.inputs import work_items
 from llmserve.runners.torch.kernels import attention as A
@@ -57,18 +58,6 @@ def case(ctxs: list[int], q_lens: list[int]):
     return q, meta, flops, nxt
 
 
-def gpu_ms(fn, reps: int = 20) -> float:
-    fn()
-    torch.cuda.synchronize()
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    for _ in range(reps):
-        fn()
-    e.record()
-    e.synchronize()
-    return s.elapsed_time(e) / reps
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="attn.json")
@@ -97,7 +86,7 @@ def main() -> None:
             try:
                 m = meta()
                 out = A.paged_attention(q, kc, vc, m, D**-0.5, torch.bfloat16)
-                ms = gpu_ms(lambda m=m, q=q, kc=kc, vc=vc: A.paged_attention(q, kc, vc, m, D**-0.5, torch.bfloat16))
+                ms = gpu_ms(lambda m=m, q=q, kc=kc, vc=vc: A.paged_attention(q, kc, vc, m, D**-0.5, torch.bfloat16), 20)
             except Exception as e:  # noqa: BLE001 - a shape that does not fit (shared memory)
                 rows.append(dict(tile=dataclasses.asdict(v), error=repr(e)[:200]))
                 continue
@@ -121,7 +110,7 @@ def main() -> None:
                     F.scaled_dot_product_attention(qq, kk, vv, is_causal=True)
 
             try:
-                ms = gpu_ms(sdpa)
+                ms = gpu_ms(sdpa, 20)
                 entry["torch_sdpa"] = dict(ms=ms, tflops=flops / ms / 1e9)
             except Exception as e:  # noqa: BLE001
                 entry["torch_sdpa"] = dict(error=repr(e)[:200])

@@ -269,23 +269,19 @@ class Tokenizer:
         return f"Tokenizer({self.name!r}, vocab_size={self.vocab_size}, backend={type(self._backend).__name__})"
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        explicit = self._add_bos is not None or self._add_eos is not None
-        ids = self._backend.encode(text, add_special_tokens and not explicit)
-        if add_special_tokens and explicit:
-            if self._add_bos and self.bos_token_id is not None:
-                ids.insert(0, self.bos_token_id)
-            if self._add_eos and self.eos_token_id is not None:
-                ids.append(self.eos_token_id)
-        return ids
+        return self.encode_batch([text], add_special_tokens)[0]
 
     def encode_batch(self, texts: list[str], add_special_tokens: bool = True) -> list[list[int]]:
         """`encode` of each text; a tokenizer.json backend encodes them in one call, on all cores (a burst of
         prompts is admitted at once rather than one prompt after another)."""
-        batch = getattr(self._backend, "encode_batch", None)
+        # add_bos_token / add_eos_token in the config: ours to add, else the backend's own rule.
         explicit = self._add_bos is not None or self._add_eos is not None
-        if batch is None or len(texts) < 2:
-            return [self.encode(t, add_special_tokens) for t in texts]
-        out = batch(texts, add_special_tokens and not explicit)
+        backend_specials = add_special_tokens and not explicit
+        batch = getattr(self._backend, "encode_batch", None)
+        if batch is not None and len(texts) > 1:
+            out = batch(texts, backend_specials)
+        else:
+            out = [self._backend.encode(t, backend_specials) for t in texts]
         if add_special_tokens and explicit:
             for ids in out:
                 if self._add_bos and self.bos_token_id is not None:
