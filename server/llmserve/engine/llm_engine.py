@@ -210,7 +210,7 @@ class LLMEngine:
         launched = None
         if sched.chunks:
             left, self._left = self._left, []
-            # A proposer's per-step state (mtp) is kept only while the next step may speculate.
+            # A proposer's per-step state (mtp) is kept only while a step soon may speculate.
             keep = not spec or k > 0 or not self.proposer.per_step_state or self.draft_length.may_speculate_next(batch)
             step = StepBatch(sched.chunks, finished_req_ids=left, proposer_state=keep)
             launched = _Launch(sched, self.runner.submit(step), batch, k, t0)

@@ -91,8 +91,8 @@ class StepBatch:
     # for finished ones; preempted ones come back later with the same req_id.
     finished_req_ids: list[str] = field(default_factory=list)
     # Whether the proposer needs this step's per-request state (mtp: the module's output at each
-    # request's last position, for the next step's proposals). False when the next step will not
-    # speculate: the runner then skips that work and the requests have no state until a step keeps it.
+    # request's last position, for the next step's proposals). False when no step soon will speculate:
+    # the runner then skips that work, and the requests have no state until a step keeps it.
     proposer_state: bool = True
 
     @property
