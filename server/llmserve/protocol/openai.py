@@ -21,11 +21,11 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
 from llmserve.protocol import structured
 from llmserve.protocol.native import INT64_MAX, INT64_MIN
-from llmserve.protocol.openai_tools import AssistantToolCall, NamedToolChoice, Tool, call_arguments
+from llmserve.protocol.openai_tools import AssistantToolCall, NamedToolChoice, StrictModel, Tool, call_arguments
 
 MAX_N = 16  # choices per request (n x prompts), so one body cannot flood the queue
 MAX_STOPS = 4  # as OpenAI
@@ -52,8 +52,7 @@ class OpenAIValidationError(ValueError):
         self.param = param
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
@@ -61,10 +60,8 @@ def _refuse(name: str, why: str = "is not supported by this server yet") -> Open
     return OpenAIValidationError(f"{name}: {why}", name)
 
 
-class _Sampling(BaseModel):
+class _Sampling(StrictModel):
     """Fields shared by completions and chat completions."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1, description="tokens to generate at most")
@@ -253,14 +250,12 @@ class CompletionRequest(_Sampling):
         return out
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

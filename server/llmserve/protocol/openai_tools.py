@@ -9,39 +9,39 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 
-class FunctionDef(BaseModel):
+class StrictModel(BaseModel):
+    """OpenAI request models: unknown fields refused by name, no type coercion."""
+
     model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class FunctionDef(StrictModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None
 
 
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class Tool(StrictModel):
     type: Literal["function"]
     function: FunctionDef
 
 
-class NamedFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class NamedFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: NamedFunction
 
 
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class CalledFunction(StrictModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
 
-class AssistantToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+class AssistantToolCall(StrictModel):
     id: str
     type: Literal["function"]
     function: CalledFunction

@@ -30,8 +30,9 @@ def _check(kind: str) -> None:
         raise ValueError(f"unknown reasoning parser {kind!r}; known: {', '.join(REASONING_PARSERS)}")
 
 
-def _partial_tag(text: str, tag: str) -> int:
-    """Length of the longest suffix of `text` that is a proper prefix of `tag` (0 when none)."""
+def partial_tag(text: str, tag: str) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of `tag` (0 when none): text held
+    back while a tag may be arriving (here and in tool_calls.py)."""
     for k in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:k]):
             return k
@@ -83,7 +84,7 @@ class ReasoningParser:
                     reasoning.append(p[:i])
                     self._pending, self._state = p[i + len(self.end) :], _AFTER_CLOSE
                     continue
-                cut = len(p) - (0 if final else _partial_tag(p, self.end))
+                cut = len(p) - (0 if final else partial_tag(p, self.end))
                 reasoning.append(p[:cut])
                 self._pending = p[cut:]
                 break

@@ -18,6 +18,8 @@ import json
 import uuid
 from dataclasses import dataclass, field
 
+from llmserve.protocol.reasoning import partial_tag
+
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 _NO_FREE_WHITESPACE = {"whitespace_flexible": False}
 
@@ -73,7 +75,7 @@ class ToolCallParser:
                 self.buf, self._after_call = self.buf.removeprefix("\n"), False
             i = self.buf.find(start)
             if i < 0:
-                keep = 0 if final else _partial_suffix(self.buf, start)
+                keep = 0 if final else partial_tag(self.buf, start)
                 content += self.buf[: len(self.buf) - keep]
                 self.buf = self.buf[len(self.buf) - keep :]
                 break
@@ -121,14 +123,6 @@ def _loads(text: str) -> object:
         return json.loads(text)
     except ValueError:
         return None
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that begins `tag` (held back: the tag may be arriving)."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 def stream_deltas(calls: list[ToolCall], first_index: int) -> list[dict]:

@@ -137,7 +137,7 @@ class EngineServer:
         for client, msg in msgs:
             op = msg.get("op")
             if op == "add":
-                self._add(client, msg["body"], msg.get("req_id"), next(parsed))
+                self._add(client, msg.get("req_id"), next(parsed))
             elif op == "abort":
                 if self._end(msg["req_id"]) is not None:
                     self.cancelled += 1
@@ -145,12 +145,11 @@ class EngineServer:
                 (self.monitors if msg.get("role") == "monitor" else self.adapters).add(client)
                 log.info("%s connected: %s", msg.get("role"), client.decode(errors="replace"))
 
-    def _add(self, client: bytes, body: str | bytes | dict, req_id: str | None, parsed=None) -> None:
+    def _add(self, client: bytes, req_id: str | None, parsed) -> None:
         """Admit one request (answering a rejection at once) and hand it to the core. This is where a
-        request is parsed and checked, once (protocol/native.py). `req_id` (beside the body) names the
-        rejection of a body that does not parse; `parsed`: native.parse_burst's entry for the body."""
+        request is checked, once (protocol/native.py); `parsed` is native.parse_burst's entry for its
+        body, `req_id` (beside the body) names the rejection of a body that does not parse."""
         try:
-            parsed = native.parse_burst([body], self.tokenizer)[0] if parsed is None else parsed
             if isinstance(parsed, Exception):
                 raise parsed
             req, ids = parsed

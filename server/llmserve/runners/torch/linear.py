@@ -45,8 +45,5 @@ class Linear:
         small products (int4's tinygemm operands), that one."""
         if self.parts is not None:
             return sum(p.nbytes for p in self.parts)
-        w = self.w
-        if "tg_weight" in w:
-            w = {k: w[k] for k in ("tg_weight", "tg_scales_zeros", "perm") if k in w}
-        ts = list(w.values()) + ([self.bias] if self.bias is not None else [])
+        ts = self.method.decode_tensors(self.w) + ([self.bias] if self.bias is not None else [])
         return sum(t.numel() * t.element_size() for t in ts)

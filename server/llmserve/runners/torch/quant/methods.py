@@ -68,6 +68,10 @@ class LinearMethod:
         """A loaded (and fused) layer, ready to run: a method may add operands for its kernels."""
         return linear
 
+    def decode_tensors(self, w: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """The tensors a batch-1 product reads (Linear.nbytes, the decode floor's bytes)."""
+        return list(w.values())
+
     def _read_checkpoint(self, r: _Reader, p: str, split: Split | None) -> Linear:
         """A projection of a quantized checkpoint in its canonical form (formats.to_canonical); one the
         tool left unquantized (no quantized tensors) is read by the dense method. Of a split, only its
@@ -151,6 +155,12 @@ class W4(LinearMethod):
             except RuntimeError as e:  # a shape or build it does not take: our kernel for every M
                 log.info("int4 layer %s: no tinygemm operands (%s)", tuple(w["qweight"].shape), e)
         return linear
+
+    def decode_tensors(self, w: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        """With tinygemm's operands, those (and the act-order permutation): small products read them."""
+        if "tg_weight" not in w:
+            return super().decode_tensors(w)
+        return [w[k] for k in ("tg_weight", "tg_scales_zeros", "perm") if k in w]
 
     def apply(self, w, x, bias, out_dtype):
         G = w["qweight"].shape[0] * 8 // w["scales"].shape[0]
