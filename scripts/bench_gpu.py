@@ -18,6 +18,7 @@ Usage: PYTHONPATH=server python scripts/bench_gpu.py --out bench.json [--shape l
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -164,9 +165,52 @@ def offline_requests(vocab: int, n_req: int = 256, seed: int = 1234):
     return reqs, plen, olen
 
 
-def bench_ours(model_dir: str, weight_bytes_hint: int, bw: float, seed: int, out: str, n_req: int) -> None:
+def set_budget(engine: LLMEngine, tokens: int) -> None:
+    """The step budget (MAX_PREFILL_TOKENS) the scheduler fills, up to what the runner was sized for."""
+    engine.scheduler.max_num_batched_tokens = tokens
+    engine.scheduler.long_prefill_tokens = tokens
+
+
+def offline_figures(reqs, got, plen, wall, steps, st0, st, budget: int) -> dict:
+    """The offline run's throughput, lost requests and where its GPU time went."""
+    n_out = sum(len(got[f"{rid}-b{budget}"]) for rid, _, _ in reqs)
+    fig = dict(budget=budget)
+    fig["throughput_output_tokens"] = n_out
+    fig["throughput_wall_s"] = wall
+    fig["throughput_tok_s"] = n_out / wall
+    fig["throughput_total_tok_s"] = (n_out + int(plen.sum())) / wall
+    fig["throughput_requests_bad"] = [rid for rid, _, p in reqs if len(got[f"{rid}-b{budget}"]) != p.max_tokens]
+    big = [s for s in steps if s[0] >= 200 and s[1] == s[0]]  # decode-only steps at batch >= 200
+    if big:
+        fig["batch256_decode_steps"] = len(big)
+        fig["batch256_step_gpu_ms"] = statistics.median(s[2] for s in big) * 1e3
+        fig["batch256_execute_wall_ms"] = statistics.median(s[3] for s in big) * 1e3
+    n = max(1, st.steps - st0.steps)
+    # engine-level host overhead: whole step wall time minus GPU time, over the steps of the run
+    fig["host_overhead_ms_per_step"] = ((st.step_time - st0.step_time) - (st.model_time - st0.model_time)) / n * 1e3
+    fig["steps"] = st.steps - st0.steps
+    fig["step_trace"] = [(b, m, round(g * 1e3, 3), round(w * 1e3, 3)) for b, m, g, w in steps]
+    mixed = [x for x in steps if x[1] != x[0]]
+    fig["mixed_steps"] = dict(
+        n=len(mixed), gpu_s=sum(x[2] for x in mixed), max_ms=max((x[2] for x in mixed), default=0) * 1e3
+    )
+    fig["decode_steps"] = dict(n=len(steps) - len(mixed), gpu_s=sum(x[2] for x in steps if x[1] == x[0]))
+    fig["gpu_busy_s"] = sum(x[2] for x in steps)
+    fig["preemptions"] = st.preemptions - st0.preemptions
+    return fig
+
+
+def bench_ours(
+    model_dir: str, weight_bytes_hint: int, bw: float, seed: int, out: str, n_req: int, budgets: list[int]
+) -> None:
+    # The runner is sized for the largest step budget; the scheduler runs each in turn (the first
+    # for the single-stream and TTFT figures, which it does not change).
     cfg = Config(
-        batch_size=256, max_seq_len=2048, block_size=64, max_num_batched_tokens=2048, enable_prefix_caching=False
+        batch_size=256,
+        max_seq_len=2048,
+        block_size=64,
+        max_num_batched_tokens=max(budgets),
+        enable_prefix_caching=False,
     )
     t = time.perf_counter()
     runner = TorchRunner(model_dir, cfg)
@@ -177,6 +221,7 @@ def bench_ours(model_dir: str, weight_bytes_hint: int, bw: float, seed: int, out
     R["kv_cache_gb"] = runner.num_kv_blocks * runner.kv_spec.block_bytes / 1e9
     timer = StepTimer(runner)
     engine = LLMEngine(cfg, runner)
+    set_budget(engine, budgets[0])
     rng = np.random.default_rng(seed)
     V = runner.vocab_size
     greedy = dict(temperature=0.0, ignore_eos=True)
@@ -221,37 +266,26 @@ def bench_ours(model_dir: str, weight_bytes_hint: int, bw: float, seed: int, out
     R["ttft_1024_ms"] = statistics.median(ttfts) * 1e3
     save(out)
 
-    # offline throughput
+    # offline throughput, once per step budget; the first budget's figures are the top-level ones
     reqs, plen, olen = offline_requests(V, n_req)
     R["throughput_requests"] = [(r[0], len(r[1]), r[2].max_tokens) for r in reqs]
-    timer.steps.clear()
-    got, first, wall = run_engine(engine, reqs)
-    n_out = sum(len(v) for v in got.values())
-    bad = [rid for rid, ids, p in reqs if len(got[rid]) != p.max_tokens]
-    R["throughput_output_tokens"] = n_out
-    R["throughput_wall_s"] = wall
-    R["throughput_tok_s"] = n_out / wall
-    R["throughput_total_tok_s"] = (n_out + int(plen.sum())) / wall
-    R["throughput_requests_bad"] = bad
     R["roofline"] = roofline(runner.model_config, plen.tolist(), olen.tolist(), bw, R["matmul_tflops"] * 1e12)
+    R["offline_by_budget"] = {}
+    for b in reversed(budgets):  # the first budget last: its step trace is the one profiled and kept
+        set_budget(engine, b)
+        st0 = engine.stats()
+        timer.steps.clear()
+        fresh = [(f"{rid}-b{b}", ids, dataclasses.replace(p)) for rid, ids, p in reqs]
+        got, first, wall = run_engine(engine, fresh)
+        st = engine.stats()
+        R["offline_by_budget"][str(b)] = fig = offline_figures(reqs, got, plen, wall, timer.steps, st0, st, b)
+        save(out)
+    set_budget(engine, budgets[0])
+    R.update({k: v for k, v in fig.items() if k != "budget"})
     R["throughput_vs_roofline"] = R["throughput_tok_s"] / R["roofline"]["output_tok_s"]
-    st = engine.stats()
+    for f in R["offline_by_budget"].values():
+        f["vs_roofline"] = f["throughput_tok_s"] / R["roofline"]["output_tok_s"]
     R["engine_stats"] = {k: getattr(st, k) for k in vars(st)}
-    steps = timer.steps
-    big = [s for s in steps if s[0] >= 200 and s[1] == s[0]]  # decode-only steps at batch >= 200
-    if big:
-        R["batch256_decode_steps"] = len(big)
-        R["batch256_step_gpu_ms"] = statistics.median(s[2] for s in big) * 1e3
-        R["batch256_execute_wall_ms"] = statistics.median(s[3] for s in big) * 1e3
-    # engine-level host overhead: whole step wall time minus GPU time, over the steps of the run
-    R["host_overhead_ms_per_step"] = (st.step_time - st.model_time) / max(1, st.steps) * 1e3
-    R["steps"] = st.steps
-    R["step_trace"] = [(b, n, round(g * 1e3, 3), round(w * 1e3, 3)) for b, n, g, w in steps]
-    mixed = [x for x in steps if x[1] != x[0]]
-    R["mixed_steps"] = dict(
-        n=len(mixed), gpu_s=sum(x[2] for x in mixed), max_ms=max((x[2] for x in mixed), default=0) * 1e3
-    )
-    R["decode_steps"] = dict(n=len(steps) - len(mixed), gpu_s=sum(x[2] for x in steps if x[1] == x[0]))
     save(out)
     try:
         profile_steps(runner, out)
@@ -433,6 +467,13 @@ def table() -> str:
         ("ours: batch>=200 decode step, execute wall (ms)", R.get("batch256_execute_wall_ms")),
         ("ours: host overhead per engine step (ms)", R.get("host_overhead_ms_per_step")),
     ]
+    for b, f in (R.get("offline_by_budget") or {}).items():
+        rows.append(
+            (
+                f"ours: offline at a step budget of {b} (tok/s, / roofline)",
+                f"{f['throughput_tok_s']:.0f}, {f.get('vs_roofline', 0):.3f}",
+            )
+        )
     w = max(len(r[0]) for r in rows)
     fmt = lambda v: f"{v:.3f}" if isinstance(v, float) else str(v)  # noqa: E731
     return "\n".join(f"{k:<{w}}  {fmt(v)}" for k, v in rows)
@@ -449,6 +490,11 @@ def main() -> None:
     ap.add_argument("--hf-full-budget", type=float, default=150.0, help="run HF on all requests if it fits (s)")
     ap.add_argument("--skip-ours", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--offline-budgets",
+        default="2048",
+        help="step budgets (MAX_PREFILL_TOKENS) to run the offline workload at, comma-separated; the first is the headline",
+    )
     args = ap.parse_args()
     R["device"] = torch.cuda.get_device_name()
     R["torch"] = torch.__version__
@@ -462,7 +508,8 @@ def main() -> None:
     bw = R["copy_tb_s"] * 1e12
     save(args.out)
     if not args.skip_ours:
-        bench_ours(model_dir, 0, bw, args.seed, args.out, args.requests)
+        budgets = [int(b) for b in args.offline_budgets.split(",")]
+        bench_ours(model_dir, 0, bw, args.seed, args.out, args.requests, budgets)
         print(table(), flush=True)
     if not args.skip_hf:
         bench_hf(model_dir, args.seed, args.out, args.requests, args.hf_subset, args.hf_full_budget)

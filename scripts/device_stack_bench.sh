@@ -233,13 +233,19 @@ RES="$WORK/results/$(basename "$MODEL_DIR")-i$INPUT_LEN-o$OUTPUT_LEN-b$BATCH_SIZ
 [[ "${FRESH:-0}" == 1 ]] && rm -rf "$RES"
 mkdir -p "$RES"
 
+# Each `llmserve bench` gets prompts of its own (--seed SEED, counted up): the stack keeps its prefix
+# cache from one bench to the next, and a backend that found the prompts of the one before it in the
+# cache (triton-grpc sends native's token ids) would skip their prefill, while the in-process engine
+# starts empty every time. Both levels of one bench share its prompts, on every path alike.
+SEED=0
 bench() {  # bench BACKEND PROMPTS CONCURRENCY-LIST
   local b="$1" p="$2" c="$3" name="$1-p$2-c${3//,/_}" rc
+  SEED=$((SEED + 1))
   local extra=(--model "$MODEL_DIR")
   [[ "$b" == engine ]] || name="$name-w$PUSH_MODE_HTTP_WORKERS"
   log "bench $name: output in $WORK/bench-logs/$name.log"
   step "bench $name" 30 "$PY" -m llmserve.cli bench --backend "$b" "${extra[@]}" --workload random \
-    --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --range-ratio 0 --temperature 0 --seed 0 \
+    --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --range-ratio 0 --temperature 0 --seed "$SEED" \
     --num-prompts "$p" --max-concurrency "$c" --num-warmups "$NUM_WARMUPS" --timeout 300 \
     --no-plots --no-progress --out-dir "$RES" --result-name "$name" >"$WORK/bench-logs/$name.log" 2>&1
   rc=$?

@@ -103,6 +103,36 @@ def test_scheduler_preempts_newest_and_respects_budget():
     assert sum(len(r.block_table) for r in reqs) == bm.num_used
 
 
+def test_decodes_do_not_take_the_prompt_budget():
+    """A full batch of decoding requests leaves the whole MAX_PREFILL_TOKENS to waiting prompts
+    (counted against it, 4 decodes would leave 12 of 16 and the prompt would get a chunk of 12);
+    a chunked prefill that finds the budget spent skips the step while the decodes after it run."""
+    bm = BlockManager(64, 4)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16)
+    decoders = [_req(f"d{i}", range(i * 10, i * 10 + 4)) for i in range(4)]
+    for r in decoders:
+        s.add(r)
+    out = s.schedule()
+    assert [c.num_tokens for c in out.chunks] == [4, 4, 4, 4]  # each samples a token (pending)
+    long_a, long_b = _req("a", range(100, 140)), _req("b", range(200, 216))
+    s.add(long_a)
+    s.add(long_b)
+    out = s.schedule()
+    got = [(c.request.req_id, c.num_tokens) for c in out.chunks]
+    assert got == [("d0", 1), ("d1", 1), ("d2", 1), ("d3", 1), ("a", 16)]
+    assert out.num_tokens == 16 + 4  # at most Config.max_step_tokens
+    # a (running, 24 prompt tokens left) takes the whole budget; b waits; the decodes still run.
+    out = s.schedule()
+    assert [(c.request.req_id, c.num_tokens) for c in out.chunks] == [
+        ("d0", 1),
+        ("d1", 1),
+        ("d2", 1),
+        ("d3", 1),
+        ("a", 16),
+    ]
+    assert long_b.status == RequestStatus.WAITING
+
+
 def test_block_ratio_limits_admission():
     bm = BlockManager(10, 4)
     s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=1000, block_ratio=0.5)

@@ -134,6 +134,12 @@ class Config:
     cache_dir: str = _setting(
         "LLMSERVE_CACHE_DIR", "", _str, doc="demo model, Triton backends (default ~/.cache/llmserve)"
     )
+    step_trace: str = _setting(
+        "LLMSERVE_STEP_TRACE",
+        "",
+        _str,
+        doc="diagnosis: append one line per engine step to this file (docs/engine.md: the step trace)",
+    )
     # ports
     health_http_port: int = _setting("HEALTH_HTTP_PORT", 8110, _port, "HTTP_PORT", doc="health probes")
     service_grpc_port: int = _setting("SERVICE_GRPC_PORT", 8811, _port, "GRPC_PORT", doc="Triton gRPC")
@@ -186,7 +192,10 @@ class Config:
     block_ratio: float = _setting("BLOCK_RATIO", 0.75, _ratio, doc="share of KV blocks that admitting prompts may fill")
     block_size: int = _setting("BLOCK_SIZE", 64, _positive_int, doc="tokens per KV block")
     max_num_batched_tokens: int = _setting(
-        "MAX_PREFILL_TOKENS", 2048, _positive_int, doc="token budget of one step (chunked prefill)"
+        "MAX_PREFILL_TOKENS",
+        2048,
+        _positive_int,
+        doc="prompt tokens (and proposals) one step may compute (chunked prefill); each decoding request's token comes on top",
     )
     long_prefill_tokens: int = _setting(
         "LONG_PREFILL_TOKENS",
@@ -410,6 +419,12 @@ class Config:
         if self.host in ("0.0.0.0", "::", ""):
             return "127.0.0.1"
         return f"[{self.host}]" if ":" in self.host else self.host
+
+    @property
+    def max_step_tokens(self) -> int:
+        """Tokens of the largest step: the prompt budget plus one token per running request
+        (decoding requests' tokens are not counted against MAX_PREFILL_TOKENS)."""
+        return self.max_num_batched_tokens + self.batch_size
 
     @property
     def max_blocks_per_seq(self) -> int:

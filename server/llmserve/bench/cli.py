@@ -123,7 +123,7 @@ def _tokens(results) -> int:
 
 
 async def _run_all(args: argparse.Namespace, backend: Backend, requests) -> list[tuple]:
-    """[(results, duration, max concurrency, speculative decoding summary or None)] per level."""
+    """[(results, duration, max concurrency, speculative decoding summary or None, client CPU s)] per level."""
     await backend.start()
     runs = []
     try:
@@ -133,11 +133,13 @@ async def _run_all(args: argparse.Namespace, backend: Backend, requests) -> list
             seen = await backend.counters(seen, _tokens(warm))
         for conc in args.max_concurrency:
             desc = f"{args.backend} c={conc or 'inf'}"
+            cpu = time.process_time()
             results, duration = await run_level(
                 backend, requests, args.request_rate, conc, args.seed, progress=not args.no_progress, desc=desc
             )
+            cpu = time.process_time() - cpu
             now = await backend.counters(seen, _tokens(results))
-            runs.append((results, duration, conc, spec_summary(seen, now)))
+            runs.append((results, duration, conc, spec_summary(seen, now), cpu))
             seen = now
     finally:
         await backend.close()
@@ -173,9 +175,12 @@ def run_bench(args: argparse.Namespace) -> int:
         "seed": args.seed,
     }
     summaries, files = [], []
-    for results, duration, conc, spec in runs:
+    for results, duration, conc, spec, cpu in runs:
         s = summarize(results, duration, **meta, max_concurrency=conc)
         s["spec_decode"] = spec  # None: no drafts verified (or the server's metrics not reachable)
+        # CPU time of this process over the level's wall time: near 1, the client (one Python thread)
+        # is what paces the streams it reads; with the engine backend it includes the engine's host work.
+        s["client_cpu_share"] = cpu / max(duration, 1e-9)
         if args.save_requests:
             s["requests"] = results_to_dicts(results)
         summaries.append(s)

@@ -31,6 +31,8 @@ def format_table(summary: dict) -> str:
         ("Output token throughput (tok/s):", summary["output_throughput"]),
         ("Total token throughput (tok/s):", summary["total_token_throughput"]),
     ]
+    if "client_cpu_share" in summary:
+        rows.append(("Client CPU / wall time:", summary["client_cpu_share"]))
     for label, v in rows:
         lines.append(f"{label:<40}{v:>22.2f}" if isinstance(v, float) else f"{label:<40}{v:>22}")
     if summary.get("output_len_mismatch"):

@@ -1,14 +1,22 @@
-"""Continuous batching with chunked prefill, under a token budget per step.
+"""Continuous batching with chunked prefill, under a prompt-token budget per step.
 
 Each step:
 1. Running requests, oldest first, get their next tokens: one for a decoding
    request, the next prompt chunk for one still prefilling. When blocks run
    out, the newest running request is preempted (its blocks freed; it goes
    back to the front of the queue and is recomputed later).
-2. Waiting requests are admitted in arrival order while the token budget,
+2. Waiting requests are admitted in arrival order while the budget,
    BATCH_SIZE (max running requests) and the blocks allow. Admission may fill
    at most BLOCK_RATIO of the blocks, keeping the rest for running requests
    to grow into (fewer preemptions); an idle engine admits regardless.
+
+The budget (MAX_PREFILL_TOKENS) counts prompt tokens and proposals, not a
+decoding request's one token: every running stream advances every step, and a
+full batch does not shrink the prefill a step can do. Counted against the
+budget, a batch of 256 decodes left 1,792 of 2,048 tokens for prompts, so
+prompts were admitted more slowly than the requests they replaced finished
+(the prefill queue overloaded, and TTFT grew by hundreds of ms at c=256). A
+step holds at most MAX_PREFILL_TOKENS + BATCH_SIZE tokens (Config.max_step_tokens).
 
 A scheduled chunk counts as computed at once (`num_computed_tokens` moves when
 it is scheduled, and a sampling chunk adds one pending token), so the next
@@ -90,17 +98,22 @@ class Scheduler:
         budget = self.max_num_batched_tokens
 
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running):
             req = self.running[i]
-            if req.done_sampling(self.max_model_len):  # its last token is in flight
-                i += 1
+            left = req.num_tokens - req.num_computed_tokens
+            if req.done_sampling(self.max_model_len) or (left > 1 and budget <= 0):
+                i += 1  # its last token is in flight, or a prompt chunk with no budget left
                 continue
-            n = min(req.num_tokens - req.num_computed_tokens, budget, self.long_prefill_tokens)
             drafts = []
-            if req.draft_token_ids and req.num_tokens - req.num_computed_tokens == 1:
-                drafts = self._drafts(req, budget)
-                if not self.bm.ensure_slots(req, 1 + len(drafts)):  # no blocks to spare: plain decoding
-                    drafts = []
+            if left == 1:  # decoding: its token is free, its proposals are not
+                n = 1
+                if req.draft_token_ids:
+                    drafts = self._drafts(req, budget)
+                    if not self.bm.ensure_slots(req, 1 + len(drafts)):  # no blocks to spare: plain decoding
+                        drafts = []
+                cost = len(drafts)
+            else:
+                n = cost = min(left, budget, self.long_prefill_tokens)
             n += len(drafts)
             while not self.bm.ensure_slots(req, n):
                 victim = self.running[-1]
@@ -110,7 +123,7 @@ class Scheduler:
             if req.status != RequestStatus.RUNNING:
                 break
             out.chunks.append(self._chunk(req, n, drafts))
-            budget -= n
+            budget -= cost
             i += 1
 
         # Admit only when nothing was preempted: a preempted request must not be overtaken.
@@ -141,7 +154,7 @@ class Scheduler:
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """The proposals that fit: the step budget, and room for all of them plus one more token
         within max_tokens and the model's length (nothing past a limit is ever computed)."""
-        room = min(budget - 1, req.params.max_tokens - req.num_generated - 1, self.max_model_len - req.num_tokens - 1)
+        room = min(budget, req.params.max_tokens - req.num_generated - 1, self.max_model_len - req.num_tokens - 1)
         return req.draft_token_ids[: max(0, room)]
 
     def rollback(self, chunk: SeqChunk, num_new: int) -> None:

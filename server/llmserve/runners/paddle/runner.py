@@ -229,7 +229,7 @@ class PaddleRunner(ModelRunner):
             return fixed
         # Activations of the largest step: attention scores (tokens x heads x context, a few
         # copies), MLP and hidden states. The predictor (weights) is already loaded.
-        tokens, ctx = config.max_num_batched_tokens, self.max_model_len
+        tokens, ctx = config.max_step_tokens, self.max_model_len
         act = 4 * tokens * (3 * mc.num_attention_heads * ctx + 3 * mc.intermediate_size + 8 * mc.hidden_size)
         share = self.rank.per_node if self.rank else 1  # the ranks of a node share its memory
         budget = config.kv_cache_memory_fraction * mem_available() / share - act - GIB // 4

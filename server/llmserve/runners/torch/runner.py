@@ -157,7 +157,7 @@ class TorchRunner(ModelRunner):
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
         base = torch.cuda.memory_allocated(self.device)
-        self._warmup_prefill(self.config.max_num_batched_tokens)
+        self._warmup_prefill(self.config.max_step_tokens)
         scratch = torch.empty(
             self.max_sampled_rows * self.vocab_size * 4 * 6, dtype=torch.uint8, device=self.device
         )  # sampler/graphs
