@@ -110,3 +110,23 @@ def test_stub_pythonpath_goes_first_for_the_stub(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", "/elsewhere")
     launch = launcher.triton_command(grpc_port=1, metrics_port=2, work_dir=tmp_path / "w")
     assert launch.env["PYTHONPATH"].split(os.pathsep) == [str(np1), str(ROOT / "server"), "/elsewhere"]
+
+
+def test_adapter_instances_get_their_own_config(tmp_path):
+    """ADAPTER_INSTANCES=N: Triton serves a copy of config.pbtxt with N instances beside a link to
+    the model's code; one instance is the repository as it is. The default is one per 64 streams."""
+    from llmserve.config import Config, ConfigError
+    from llmserve.triton import launcher
+
+    repo = launcher.DEFAULT_MODEL_REPOSITORY
+    assert launcher.with_instances(repo, 1, tmp_path) == repo
+    out = launcher.with_instances(repo, 3, tmp_path)
+    config = (out / "model" / "config.pbtxt").read_text()
+    assert "count: 3" in config and "count: 1" not in config
+    assert config.replace("count: 3", "count: 1") == (repo / "model" / "config.pbtxt").read_text()
+    assert (out / "model" / "1" / "model.py").resolve() == (repo / "model" / "1" / "model.py").resolve()
+    assert launcher.with_instances(repo, 3, tmp_path) == out  # again: the same, rewritten in place
+    assert Config(batch_size=50).triton_instances == 1 and Config(batch_size=256).triton_instances == 4
+    assert Config(batch_size=256, adapter_instances=2).triton_instances == 2
+    with pytest.raises(ConfigError, match="ADAPTER_INSTANCES=9"):
+        Config(adapter_instances=9).validate()

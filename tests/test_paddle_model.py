@@ -204,16 +204,22 @@ def test_runner_execute_and_attributes(model):
 
 def test_kv_cache_sized_from_free_memory(model, monkeypatch):
     """Without BLOCK_BS: the caches (all layers, K and V) fill KV_CACHE_MEMORY_FRACTION of
-    MemAvailable less headroom (256 MiB + the largest step's activations, small here)."""
+    MemAvailable less headroom: 256 MiB and the largest step's activations, a step of
+    MAX_PREFILL_TOKENS + BATCH_SIZE tokens (4 bytes x tokens x (3 heads x context + 3 x intermediate
+    + 8 x hidden))."""
     _, _, out = model
-    monkeypatch.setattr(runner_module, "mem_available", lambda: 1 << 30)
+    monkeypatch.setattr(runner_module, "mem_available", lambda: 2 << 30)
     config = Config(
-        block_size=8, max_seq_len=256, batch_size=100_000, kv_cache_memory_fraction=0.5, max_num_batched_tokens=16
+        block_size=8, max_seq_len=256, batch_size=10_000, kv_cache_memory_fraction=0.5, max_num_batched_tokens=16
     )
     runner = PaddleRunner(str(out), config, GreedySampler())
+    mc = ModelConfig.from_file(out / "config.json")
+    act = 4 * 10_016 * (3 * mc.num_attention_heads * 256 + 3 * mc.intermediate_size + 8 * mc.hidden_size)
+    want = (1 << 30) - act - (256 << 20)
     cache_bytes = sum(c.numel().item() * 4 for c in runner.kv_caches)
     assert cache_bytes == runner.num_kv_blocks * 8 * 4 * sum(c.shape[1] for c in runner.kv_caches)
-    assert 0.99 * (256 << 20) < cache_bytes <= 256 << 20
+    assert runner.num_kv_blocks < 10_000 * 32  # sized by memory, not capped at BATCH_SIZE sequences
+    assert 0.99 * want < cache_bytes <= want
     monkeypatch.setattr(runner_module, "mem_available", lambda: 512 << 20)
     with pytest.raises(MemoryError, match="BLOCK_BS"):
         PaddleRunner(str(out), config, GreedySampler())

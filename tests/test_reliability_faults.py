@@ -30,6 +30,7 @@ def stack(tmp_path_factory):
     s = http_stack(
         tmp_path_factory.mktemp("faults"),
         PUSH_MODE_HTTP_WORKERS=2,
+        ADAPTER_INSTANCES=2,  # a killed stub beside a live one still restarts Triton
         MAX_SEQ_LEN=1024,
         MAX_DEC_LEN=512,
         BLOCK_BS=8,

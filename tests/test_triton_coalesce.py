@@ -462,7 +462,7 @@ def test_stopped_stub_catches_up_with_merged_responses(tmp_path, demo_dir):
         os.kill(stub, signal.SIGSTOP)
         try:
             time.sleep(1.5)  # the engine streams on into the stub's queue
-            assert stub_state(triton) == "alive"  # stopped is not dead: the supervisor leaves Triton be
+            assert stub_state(triton) == (1, 0)  # stopped is not dead: the supervisor leaves Triton be
         finally:
             os.kill(stub, signal.SIGCONT)
         streams = [[m, *collect(q, timeout=120)] for m, q in zip(firsts, queues)]

@@ -165,6 +165,13 @@ class Config:
         "SERVICE_HTTP_PORT", 9965, _port, "PUSH_MODE_HTTP_PORT", doc="HTTP front end (-1: none)"
     )
     push_mode_http_workers: int = _setting("PUSH_MODE_HTTP_WORKERS", 1, _positive_int, doc="front-end processes (<= 8)")
+    adapter_instances: int = _setting(
+        "ADAPTER_INSTANCES",
+        0,
+        int,
+        doc="Triton model instances (stub processes) of the adapter, which share the streams (<= 8; 0: "
+        "one per 64 of BATCH_SIZE: one stub sends about 6,000 responses a second)",
+    )
     # parallelism
     mp_num: int = _setting("MP_NUM", 1, _positive_int, doc="tensor-parallel degree: ranks over all nodes, one per GPU")
     mp_nnode: int = _setting("MP_NNODE", 1, _positive_int, doc="nodes (MP_NUM / MP_NNODE ranks on each)")
@@ -337,6 +344,8 @@ class Config:
         errors = []
         if self.push_mode_http_workers > 8:
             errors.append(f"PUSH_MODE_HTTP_WORKERS={self.push_mode_http_workers}: at most 8")
+        if not 0 <= self.adapter_instances <= 8:
+            errors.append(f"ADAPTER_INSTANCES={self.adapter_instances}: 0 (auto) to 8")
         if self.runner not in ("auto", "paddle", "torch"):
             errors.append(f"LLMSERVE_RUNNER={self.runner!r}: expected auto, paddle or torch")
         if self.device not in ("auto", "cpu", "cuda"):
@@ -419,6 +428,11 @@ class Config:
         if self.host in ("0.0.0.0", "::", ""):
             return "127.0.0.1"
         return f"[{self.host}]" if ":" in self.host else self.host
+
+    @property
+    def triton_instances(self) -> int:
+        """ADAPTER_INSTANCES, or one stub per 64 streams of BATCH_SIZE (at most 8)."""
+        return self.adapter_instances or min(8, -(-self.batch_size // 64))
 
     @property
     def max_step_tokens(self) -> int:

@@ -70,6 +70,9 @@ class EngineServer:
         self.d_prompt = self.d_gen = 0
         self.d_spec: list | None = None  # speculative decoding's counters (the core's "spec"), None: zeros
         self.finished: list[list] = []  # [finish_reason, ttft, tpot, e2e]
+        # Rounds that took step messages from the core, the step messages, and the seconds spent on
+        # them (logged at shutdown): more steps than rounds means this loop fell behind the core.
+        self.core_rounds, self.core_steps, self.core_s = 0, 0, 0.0
         self.failed: list[int] = []  # error codes
         self.cancelled = 0  # aborted by their client, by an adapter that gave up on them, or as its client died
         self.gone: set[bytes] = set()  # clients found unroutable (disconnected) since the last _reap
@@ -209,13 +212,15 @@ class EngineServer:
 
     # ---- core -> clients -------------------------------------------------------
     def _from_core(self) -> None:
+        t, steps = time.perf_counter(), self.core_steps
         while True:
             try:
                 msg = loads(self.core.sock.recv(zmq.NOBLOCK))
             except zmq.Again:
-                return
+                break
             op = msg["op"]
             if op == "step":
+                self.core_steps += 1
                 self.last_progress = time.monotonic()
                 self.kv, self.core_adds = msg["kv"], msg["adds"]
                 self.d_spec = spec_sum(self.d_spec, msg.get("spec"))
@@ -226,6 +231,9 @@ class EngineServer:
                     self._forget(lv)
                     code = native.DUPLICATE if msg["duplicate"] else native.BAD_REQUEST
                     self._reject(lv.client, lv.req.req_id, code, msg["msg"])
+        if self.core_steps > steps:
+            self.core_rounds += 1
+            self.core_s += time.perf_counter() - t
 
     def _on_outputs(self, outs: list[list]) -> None:
         now = time.monotonic()
@@ -359,6 +367,9 @@ class EngineServer:
                 msg = "the engine core exited (restarting); the request was lost"
                 self._reject(lv.client, lv.req.req_id, native.INTERNAL, msg)
         self._flush()
+        log.info(
+            "core messages: %d steps in %d rounds, %.1f s handling them", self.core_steps, self.core_rounds, self.core_s
+        )
         self.sock.close(linger=500)
         self.core.close()
 

@@ -143,9 +143,9 @@ class Child:
 STUB = "triton_python_backend_stub"
 
 
-def stub_state(triton_pid: int) -> str | None:
-    """State of tritonserver's Python-backend stub: "alive", "dead" (a zombie) or None (none seen)."""
-    state = None
+def stub_state(triton_pid: int) -> tuple[int, int]:
+    """tritonserver's Python-backend stubs (one per model instance): (alive, dead: zombies)."""
+    alive = dead = 0
     for children in Path(f"/proc/{triton_pid}/task").glob("*/children"):
         try:
             pids = children.read_text().split()
@@ -158,10 +158,9 @@ def stub_state(triton_pid: int) -> str | None:
                 zombie = Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] == "Z"
             except (OSError, IndexError):
                 zombie = True
-            if not zombie:
-                return "alive"
-            state = "dead"
-    return state
+            dead += zombie
+            alive += not zombie
+    return alive, dead
 
 
 class Supervisor:
@@ -175,7 +174,7 @@ class Supervisor:
         self.draining = False
         self.engine_live: int | None = None  # requests in flight in the engine (its last stats)
         self.engine_draining = False
-        self.stub_seen: int | None = None  # the tritonserver pid whose stub we saw alive
+        self.stub_seen: tuple[int, int] | None = None  # (tritonserver pid, its stubs) seen alive when ready
         self.next_stub_check = 0.0
         self.last_hb: float | None = None
         self.stalled = 0.0  # how long the engine has had work without finishing a step (its last stats)
@@ -337,12 +336,13 @@ class Supervisor:
             return
         self.next_stub_check = now + 0.5
         pid = self.triton.proc.pid
-        state = stub_state(pid)
-        if state == "alive":
-            if self.triton_ready:  # the stub of the loaded model: one that comes and goes while loading is no death
-                self.stub_seen = pid
-        elif self.stub_seen == pid:  # it was up, now it is gone or a zombie
-            log.error("the Triton Python-backend stub died: restarting tritonserver")
+        alive, dead = stub_state(pid)
+        seen = self.stub_seen[1] if self.stub_seen and self.stub_seen[0] == pid else 0
+        if alive and not dead and alive >= seen:
+            if self.triton_ready:  # the stubs of the loaded model: one that comes and goes while loading is no death
+                self.stub_seen = (pid, alive)
+        elif seen:  # one that was up is gone or a zombie
+            log.error("a Triton Python-backend stub died: restarting tritonserver")
             self.triton_ready = False
             self.stub_seen = None
             self.triton.stop(signal.SIGKILL)

@@ -127,6 +127,29 @@ class TritonLaunch:
     shm_prefix: str  # Python-backend shared-memory regions under /dev/shm start with it
 
 
+def with_instances(repository: Path, count: int, work_dir: Path) -> Path:
+    """`repository` with its model served by `count` instances: itself for one (config.pbtxt's count),
+    else a copy of the config beside a link to the model's code, under `work_dir`. One stub sends
+    about 6,000 responses a second (each send waits for tritonserver to take it), so a batch of 256
+    streams at 16 ms steps needs four."""
+    if count == 1:
+        return repository
+    out = work_dir / f"model_repository-x{count}"
+    model = out / "model"
+    model.mkdir(parents=True, exist_ok=True)
+    config = (repository / "model" / "config.pbtxt").read_text()
+    tmp = model / f"config.pbtxt.{os.getpid()}"
+    tmp.write_text(re.sub(r"count: \d+", f"count: {count}", config, count=1))
+    tmp.replace(model / "config.pbtxt")  # atomic: a stack starting beside this one reads a whole file
+    code = model / "1"
+    if not code.is_symlink() or code.resolve() != (repository / "model" / "1").resolve():
+        link = model / f"1.{os.getpid()}"
+        link.unlink(missing_ok=True)
+        link.symlink_to((repository / "model" / "1").resolve(), target_is_directory=True)
+        link.replace(code)
+    return out
+
+
 def triton_command(
     *,
     grpc_port: int,
@@ -162,6 +185,8 @@ def triton_command(
     stub_path = [p for p in cfg.triton_stub_pythonpath.split(os.pathsep) if p]
     check_stub_numpy(backends / "python" / "triton_python_backend_stub", stub_path)
     prefix = shm_prefix(grpc_port)
+    if model_repository == DEFAULT_MODEL_REPOSITORY:
+        model_repository = with_instances(model_repository, cfg.triton_instances, Path(work_dir))
     argv = [
         str(binary),
         f"--model-repository={model_repository}",
@@ -177,7 +202,8 @@ def triton_command(
         "--disable-auto-complete-config",
         "--exit-on-error=true",
         "--strict-readiness=true",
-        "--exit-timeout-secs=5",
+        # Triton takes about 1.2 s to unload each instance of the model, one after the other.
+        f"--exit-timeout-secs={5 + 2 * cfg.triton_instances}",
         f"--backend-config=python,shm-region-prefix-name={prefix}",
         # Small shm regions: our tensors are one JSON string each.
         "--backend-config=python,shm-default-byte-size=1048576",

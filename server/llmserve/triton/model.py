@@ -122,6 +122,8 @@ class TritonPythonModel:
         self.connected = False
         self.stop = threading.Event()
         self.ready = threading.Event()
+        # The IO thread's work, logged when the model is unloaded: where a stream's tokens get merged.
+        self.io_stats = dict(rounds=0, items=0, responses=0, deliver_s=0.0, cancel_checks=0, cancel_s=0.0)
         self.io = threading.Thread(target=self._io_loop, name="llmserve-io", daemon=True)
         self.io.start()
         self.ready.wait(5)
@@ -166,6 +168,16 @@ class TritonPythonModel:
     def finalize(self) -> None:
         self.stop.set()
         self.io.join(5)
+        st = self.io_stats
+        log.info(
+            "adapter IO: %d rounds with outputs, %d items -> %d responses, %.1f s delivering; %d cancel checks, %.1f s",
+            st["rounds"],
+            st["items"],
+            st["responses"],
+            st["deliver_s"],
+            st["cancel_checks"],
+            st["cancel_s"],
+        )
         self._fail_all(503, "the server is shutting down")
 
     # ---- IO thread -------------------------------------------------------------
@@ -212,7 +224,12 @@ class TritonPythonModel:
                     elif op == "hb":
                         stalled = msg.get("stalled") or 0.0
                 if items:
+                    t = time.perf_counter()
                     self._deliver(items)
+                    st = self.io_stats
+                    st["rounds"] += 1
+                    st["items"] += len(items)
+                    st["deliver_s"] += time.perf_counter() - t
                 if stalled > limit:
                     hung = f"the engine is not responding (a step has made no progress for {stalled:.1f} s)"
             if not hung and self.connected and now - last_msg > limit and self.senders:
@@ -228,7 +245,10 @@ class TritonPythonModel:
                 for req_id in failed:
                     link.send({"op": "abort", "req_id": req_id})
             if now >= next_cancel_check:
+                t = time.perf_counter()
                 self._check_cancelled(pull, link)
+                self.io_stats["cancel_checks"] += 1
+                self.io_stats["cancel_s"] += time.perf_counter() - t
                 next_cancel_check = now + CANCEL_CHECK_S
         pull.close(0)
         link.close()
@@ -264,6 +284,7 @@ class TritonPythonModel:
                 if not final:
                     idx[rid] = item["send_idx"] + 1
             self._respond(sender, item, final)
+        self.io_stats["responses"] += len(out)
 
     def _check_cancelled(self, pull, link: EngineLink) -> None:
         with self.lock:
