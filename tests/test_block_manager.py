@@ -72,12 +72,18 @@ def test_eviction_drops_stale_hashes():
     assert bm.match_prefix(_req("c", list(range(8)) + [9])) == []
 
 
-def test_scheduler_preempts_newest_and_respects_budget():
-    bm = BlockManager(6, 4)
-    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16)
-    reqs = [_req(f"r{i}", range(i * 10, i * 10 + 7)) for i in range(3)]
+def _queued(num_blocks: int, budget: int, reqs: list[Request]) -> tuple[BlockManager, Scheduler]:
+    """A scheduler (blocks of 4 tokens, up to 8 running) with `reqs` added."""
+    bm = BlockManager(num_blocks, 4)
+    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=budget)
     for r in reqs:
         s.add(r)
+    return bm, s
+
+
+def test_scheduler_preempts_newest_and_respects_budget():
+    reqs = [_req(f"r{i}", range(i * 10, i * 10 + 7)) for i in range(3)]
+    bm, s = _queued(6, 16, reqs)
     out = s.schedule()
     # 7 + 7 tokens, and r2 gets a chunk of the 2 left in the budget (chunked prefill)
     assert [(c.request.req_id, c.num_tokens, c.sample) for c in out.chunks] == [
@@ -107,11 +113,7 @@ def test_decodes_do_not_take_the_prompt_budget():
     """A full batch of decoding requests leaves the whole MAX_PREFILL_TOKENS to waiting prompts
     (counted against it, 4 decodes would leave 12 of 16 and the prompt would get a chunk of 12);
     a chunked prefill that finds the budget spent skips the step while the decodes after it run."""
-    bm = BlockManager(64, 4)
-    s = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=16)
-    decoders = [_req(f"d{i}", range(i * 10, i * 10 + 4)) for i in range(4)]
-    for r in decoders:
-        s.add(r)
+    _, s = _queued(64, 16, [_req(f"d{i}", range(i * 10, i * 10 + 4)) for i in range(4)])
     out = s.schedule()
     assert [c.num_tokens for c in out.chunks] == [4, 4, 4, 4]  # each samples a token (pending)
     long_a, long_b = _req("a", range(100, 140)), _req("b", range(200, 216))
