@@ -179,6 +179,11 @@ class LLMEngine:
         return self.scheduler.has_unfinished() or bool(self._pending) or self._inflight is not None
 
     # ---- the step --------------------------------------------------------
+    @property
+    def step_in_flight(self) -> bool:
+        """Whether a launched step's tokens have not been taken in yet (overlapped steps)."""
+        return self._inflight is not None
+
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the step that completed.
 
