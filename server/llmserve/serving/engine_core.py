@@ -61,6 +61,7 @@ from llmserve.serving.ipc import dumps, endpoint, loads
 log = logging.getLogger("llmserve.engine_core")
 
 IDLE_POLL_MS = 100
+CORE_START_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing CUDA graphs takes minutes
 # After a step whose outputs finished requests, while the next step runs on the device: how long the
 # loop may wait for the requests that replace them (at most this, and at most this share of a step).
 ARRIVAL_WAIT_S = 0.010
@@ -73,13 +74,10 @@ def arrival_wait(period: float, finished: bool, in_flight: bool) -> float:
     client and back) takes a few ms, and a step scheduled before it arrives leaves it to the step
     after: at a prefill queue that runs at capacity that is a step of TTFT for every request, never
     made up. The wait costs no device time: it is spent while the step in flight runs (`period` is
-    the loop's recent time per step), and a message ends it early."""
+    the loop's recent time per step), and it ends once as many requests have come as just finished."""
     if not (finished and in_flight):
         return 0.0
     return min(ARRIVAL_WAIT_S, ARRIVAL_WAIT_SHARE * period)
-
-
-CORE_START_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing CUDA graphs takes minutes
 
 
 class CoreLink:
