@@ -22,6 +22,7 @@ from llmserve.engine.request import FinishReason, Request
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.speculative import DraftLength, SpecStats, build_proposer
+from llmserve.engine.step_trace import StepTrace
 from llmserve.engine.structured import GrammarMatchers
 from llmserve.runners.base import ModelRunner, StepBatch, TokenLogprobs
 
@@ -108,7 +109,7 @@ class LLMEngine:
         self.overlap = runner.overlap and config.overlap_scheduling
         self.capacity_tokens = runner.num_kv_blocks * runner.block_size
         self.requests: dict[str, Request] = {}
-        self._trace = open(config.step_trace, "a", buffering=1) if config.step_trace else None  # noqa: SIM115
+        self._trace = StepTrace(config.step_trace) if config.step_trace else None
         self._text: dict[str, TextState] = {}
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._left: list[str] = []  # req_ids that left since the last step (for the runner)
@@ -213,8 +214,8 @@ class LLMEngine:
                 if c.sample and c.request.req_id in self.grammars.matchers:
                     c.token_bitmask = partial(self.grammars.bitmask, c.request.req_id, list(c.draft_token_ids))
         self._preemptions += len(sched.preempted)
-        if self._trace is not None:
-            self._trace_step(sched)
+        if self._trace is not None and sched.chunks:
+            self._trace.write(sched, self.scheduler, self.block_manager)
         launched = None
         if sched.chunks:
             left, self._left = self._left, []
@@ -231,20 +232,6 @@ class LLMEngine:
             outputs += self._take_in(done)
         self._step_time += time.perf_counter() - t0
         return outputs
-
-    def _trace_step(self, sched) -> None:
-        """One line of LLMSERVE_STEP_TRACE: wall time, running and waiting requests after scheduling,
-        the step's prompt tokens and decoding requests, requests it admits, KV blocks used."""
-        decodes = sum(1 for c in sched.chunks if c.num_tokens - len(c.draft_token_ids) == 1)
-        prompt = sum(c.num_tokens for c in sched.chunks) - decodes
-        admitted = sum(
-            1 for c in sched.chunks if c.start == c.request.num_cached_tokens and c.start < c.request.num_prompt_tokens
-        )
-        sch = self.scheduler
-        self._trace.write(
-            f"{time.time():.6f} {len(sch.running)} {len(sch.waiting)} {prompt} {decodes} {admitted} "
-            f"{self.block_manager.num_used}\n"
-        )
 
     def _draft_length(self, batch: int) -> int:
         """Drafts per request for the next step: the rule's k for the load (running requests and

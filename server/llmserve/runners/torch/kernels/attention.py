@@ -81,7 +81,7 @@ def group_pad(num_heads: int, num_kv_heads: int) -> int:
     return next_pow2(num_heads // num_kv_heads)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Tile:
     """Launch shape of one kind of work item: query rows (tokens x GROUP_PAD), keys per loop step."""
 
