@@ -127,8 +127,8 @@ def test_greedy_output_is_the_output_without_speculation(models, kind):
         st = engine.stats()
         assert st.spec_draft_tokens > 0 and 0 < st.spec_accepted_tokens <= st.spec_draft_tokens, f"seed {seed}"
         assert st.prefix_cache_hits > 0
-        # Every accepted draft saved a step: fewer steps than tokens generated.
-        assert st.steps < plain_engine.stats().steps or k == 1
+        # (That accepted drafts save steps is asserted for one request alone below: with 16
+        # staggered requests the step count is the last arrival's, whatever the others accept.)
     for rid, _ids, p in reqs:  # lengths applied exactly
         tokens, _, reason = plain[rid]
         assert len(tokens) <= p.max_tokens and (reason != "length" or len(tokens) == p.max_tokens)
@@ -226,8 +226,12 @@ def test_seeded_requests_same_alone_in_a_batch_and_without_speculation(models, k
         engine = make_engine(models, kind, 3)  # k = 3 every step: drafts get verified
         alone = run(engine, [target])
         accepted += engine.stats().spec_accepted_tokens
-        plain = run(make_engine(models, kind), [target])
+        plain_engine = make_engine(models, kind)
+        plain = run(plain_engine, [target])
         assert alone == plain, f"seed {seed}"
+        # Alone, every accepted draft token is a step not taken.
+        saved = plain_engine.stats().steps - engine.stats().steps
+        assert saved == engine.stats().spec_accepted_tokens, f"seed {seed}"
     # In a batch, with the adaptive rule: k changes from step to step (and with the batch), the tokens do not.
     batched = run(make_engine(models, kind, 3, speculate_adaptive=True), [*others[:2], *targets, *others[2:]], 1)
     plain = run(make_engine(models, kind), targets, 1)
