@@ -23,6 +23,7 @@ import zmq
 from llmserve.config import Config
 from llmserve.engine.loader import resolve_model_dir
 from llmserve.serving.engine_core import _die_with_parent
+from llmserve.serving.process_exit import exit_now
 
 from .executor import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, RankModel, threads_per_rank
 from .group import join
@@ -81,6 +82,7 @@ def main() -> None:
             runner.submit(decoder.decode(msg))
     runner.shutdown()
     torch.distributed.destroy_process_group()
+    exit_now(0)
 
 
 if __name__ == "__main__":

@@ -43,10 +43,12 @@ class TritonBackend:
     def __init__(self, url: str, model: str = MODEL_NAME) -> None:
         import tritonclient.grpc.aio as grpcclient
 
+        from llmserve.triton.channel import channel_args
+
         self._grpc = grpcclient
         self.url = url
         self.model = model
-        self.client = grpcclient.InferenceServerClient(url)
+        self.client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
 
     async def ready(self) -> bool:
         try:

@@ -57,6 +57,7 @@ from llmserve.engine.output import RequestOutput
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.speculative import SpecStats
 from llmserve.serving.ipc import dumps, endpoint, loads
+from llmserve.serving.process_exit import exit_now
 
 log = logging.getLogger("llmserve.engine_core")
 
@@ -254,6 +255,7 @@ def main() -> None:
     core.serve()
     sock.close(0)
     engine.shutdown()
+    exit_now(0)
 
 
 if __name__ == "__main__":

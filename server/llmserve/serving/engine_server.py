@@ -28,7 +28,6 @@ import dataclasses
 import logging
 import os
 import signal
-import sys
 import time
 
 import zmq
@@ -40,6 +39,7 @@ from llmserve.protocol.native import NativeError
 from llmserve.serving import responses
 from llmserve.serving.engine_core import CoreLink, spec_sum
 from llmserve.serving.ipc import HEARTBEAT_S, dumps, endpoint, loads
+from llmserve.serving.process_exit import exit_now
 from llmserve.serving.responses import Live
 
 log = logging.getLogger("llmserve.engine_server")
@@ -413,8 +413,8 @@ def main() -> None:
     signal.signal(signal.SIGINT, stop)
     signal.signal(signal.SIGUSR1, drain)
     server.serve()
-    if not server.core.alive() and not server.stopping:
-        sys.exit(1)  # the core died: the supervisor restarts us (and so the core)
+    # 1: the core died, and the supervisor restarts us (and so the core).
+    exit_now(1 if not server.core.alive() and not server.stopping else 0)
 
 
 if __name__ == "__main__":

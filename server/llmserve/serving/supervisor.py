@@ -264,7 +264,10 @@ class Supervisor:
     def _poll_triton(self) -> None:
         import tritonclient.grpc as grpcclient
 
-        client = grpcclient.InferenceServerClient(f"{self.cfg.local_host}:{self.cfg.service_grpc_port}")
+        from llmserve.triton.channel import channel_args
+
+        url = f"{self.cfg.local_host}:{self.cfg.service_grpc_port}"
+        client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
         while not self.stopping.is_set():
             try:
                 self.triton_ready = client.is_server_ready(client_timeout=2) and client.is_model_ready(
@@ -282,7 +285,8 @@ class Supervisor:
         server = ThreadingHTTPServer((self.host, port), handler)
         server.daemon_threads = True
         server.supervisor = self  # type: ignore[attr-defined]
-        threading.Thread(target=server.serve_forever, name=f"http-{port}", daemon=True).start()
+        # A short poll interval: shutdown() waits for the loop's next look (0.5 s by default, per server).
+        threading.Thread(target=server.serve_forever, args=(0.05,), name=f"http-{port}", daemon=True).start()
         return server
 
     # ---- main loop -----------------------------------------------------------------
@@ -370,10 +374,14 @@ class Supervisor:
         self.closed.set()
         if self.triton_metrics:
             self.triton_metrics.stop()
-        # One at a time, front end and Triton first: nothing new comes in while the next stops.
+        # All at once: the drain has already turned new requests away, so no order is needed, and each
+        # child's stop (Triton unloads its instances, the engine its model) no longer waits for the
+        # others' (a stop took 4.7 s with one at a time, the sum of theirs). A request that outlived
+        # the drain gets the engine's "shutting down" error through adapters that are still up.
         deadline = time.monotonic() + 15
-        for c in reversed(self.children):
+        for c in self.children:
             c.stop()
+        for c in self.children:
             c.wait(deadline)
         for s in servers:
             s.shutdown()

@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import numpy as np
 import tritonclient.grpc as grpcclient
 
+from llmserve.triton.channel import channel_args
 from llmserve.triton.launcher import MODEL_NAME
 
 
@@ -31,7 +32,7 @@ class TritonStream:
     """One gRPC stream; `submit` returns a queue that receives the request's messages."""
 
     def __init__(self, url: str) -> None:
-        self.client = grpcclient.InferenceServerClient(url)
+        self.client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
         self.queues: dict[str, queue.Queue] = {}
         self.lock = threading.Lock()
         self.client.start_stream(callback=self._on_response)
