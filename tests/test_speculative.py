@@ -10,6 +10,7 @@ tokens, so prompts repeat phrases and the tiny random model's greedy loops give 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import numpy as np
@@ -358,11 +359,12 @@ def test_draft_length_says_when_the_next_step_may_speculate():
         for k in (1, 2, 3):
             rule.observe(B, k, 0.004, 1.5 * B)  # speculation measured at a loss
     picks, says = [], []
-    for _ in range(3 * rule.EXPLORE):
+    for _ in range(4 * rule.EXPLORE):
         picks.append(rule.choose(B, 0.6))
         says.append(rule.may_speculate_next(B))
-    W = rule.WARMUP
-    assert picks.count(0) == len(picks) - 3 and says.count(True) == 3 * W
+    W, E = rule.WARMUP, rule.EXPLORE
+    # Explorations at choice E, then (it confirmed plain steps) twice as long after it.
+    assert [i + 1 for i, p in enumerate(picks) if p] == [E, 2 * E + E + 1] and says.count(True) == 2 * W
     for i, said in enumerate(says[:-W]):
         assert said == any(p > 0 for p in picks[i + 1 : i + 1 + W]), i  # an exploring choice is near
     assert rule.may_speculate_next(64)  # another load: not measured yet
@@ -390,8 +392,9 @@ def test_draft_length_follows_measured_rates():
     rule.observe(B, 2, 0.004, 2.2 * B)
     assert rule.choose(B, 0.6) == 1
     rule.observe(B, 1, 0.003, 1.6 * B)
-    picks = [rule.choose(B, 0.6) for _ in range(rule.EXPLORE * 2)]
-    assert picks.count(0) == len(picks) - 2 and picks.count(3) == 2  # plain, exploring the model's k twice
+    picks = [rule.choose(B, 0.6) for _ in range(rule.EXPLORE * 3 + 8)]
+    # Plain, exploring the model's k twice (at choice EXPLORE, then twice as long after it).
+    assert picks.count(0) == len(picks) - 2 and picks.count(3) == 2
     assert rule.rate(64, 0) is None and rule.choose(64, 0.6) == 0  # another load: not measured yet
     for _ in range(30):
         rule.observe(B, 3, 0.0012, 2.5 * B)  # now verification pays
@@ -406,6 +409,55 @@ def test_draft_length_follows_measured_rates():
     assert rule.rate(B, 1) == pytest.approx(2 * B / 0.0012)
     rule.observe(B, 1, 1.0, 2 * B)
     assert rule.rate(B, 1) > 2 * B / 0.0012 / 2 > rule.rate(B, 0) / 2  # not 1 / 400 of it
+
+
+def test_plain_steps_are_measured_once_they_overlap(models):
+    """An overlapped plain step launched after a verification step (serial) ran with nothing to
+    overlap: the engine does not give its period to the rule, which would take plain decoding for a
+    serial step's cost (on a host-bound model, twice the overlapped one). The next ones it measures."""
+    engine = make_engine(models, "torch", 3)
+    assert engine.overlap
+    ks = itertools.cycle([3, 0, 0, 0])  # a verification step, then three plain ones
+    engine.draft_length.choose = lambda batch, acceptance: next(ks)
+    observed = []
+    measure = engine.draft_length.observe
+    engine.draft_length.observe = lambda b, k, s, n: (observed.append(k), measure(b, k, s, n))
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
+    run(engine, [("a", [5, 9, 13, 2] * 8, params)])
+    verify, plain = observed.count(3), observed.count(0)
+    assert verify >= 5 and abs(plain - 2 * verify) <= 2, observed  # not 3 plain steps per verification
+
+
+def test_draft_length_on_a_host_bound_and_a_device_bound_model():
+    """The rule in an engine's loop (the engine drops the first overlapped step after a serial one):
+    on a host-bound model (host 1, device 1 a step: plain steps overlap at 1, serial steps take 2)
+    verification that doubles the tokens' rate per serial step still loses to plain decoding, and
+    the rule decodes plainly; on a device-bound one (host 0.1) it speculates. Throughput within a few
+    percent of the better policy's."""
+
+    def simulate(host: float, device: float, steps: int = 2000) -> tuple[float, float]:
+        rule = DraftLength(max_k=2, saturation_tokens=256)
+        B, accept = 8, 0.5
+        time_used = tokens = 0.0
+        prev_k = 0
+        for _ in range(steps):
+            k = rule.choose(B, accept)
+            if k:  # serial: host and device in turn; 1 + a + a^2 tokens a request
+                period, got = host * 1.2 + device * 1.1, B * (1 + accept + accept**2)
+            elif prev_k:  # the pipeline refills: a serial step's cost, not measured
+                period, got = host + device, B
+            else:
+                period, got = max(host, device), B
+            if not (k == 0 and prev_k):
+                rule.observe(B, k, period, got)
+            time_used, tokens, prev_k = time_used + period, tokens + got, k
+        best_spec = B * (1 + accept + accept**2) / (host * 1.2 + device * 1.1)
+        return tokens / time_used, max(B / max(host, device), best_spec)
+
+    rate, best = simulate(host=1.0, device=1.0)  # speculation: 14 tokens / 2.3 = 6.1; plain: 8
+    assert rate >= 0.97 * best
+    rate, best = simulate(host=0.1, device=1.0)  # speculation: 14 / 1.22 = 11.5; plain: 8
+    assert rate >= 0.95 * best
 
 
 def test_speculation_settings_are_checked():

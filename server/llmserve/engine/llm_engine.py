@@ -42,6 +42,7 @@ class _Launch:
     batch: int  # running + waiting requests when it was scheduled
     k: int  # drafts per request it verifies (0: a plain step)
     t_launch: float
+    serial: bool  # run alone: its tokens are taken in before the next step is launched
 
 
 @dataclass
@@ -222,7 +223,7 @@ class LLMEngine:
             # A proposer's per-step state (mtp) is kept only while a step soon may speculate.
             keep = not spec or k > 0 or not self.proposer.per_step_state or self.draft_length.may_speculate_next(batch)
             step = StepBatch(sched.chunks, finished_req_ids=left, proposer_state=keep)
-            launched = _Launch(sched, self.runner.submit(step), batch, k, t0)
+            launched = _Launch(sched, self.runner.submit(step), batch, k, t0, serial or not self.overlap)
             self._steps += 1
         t1 = time.perf_counter()
         self._schedule_time += t1 - t0
@@ -289,11 +290,15 @@ class LLMEngine:
         self.scheduler.update(sched)
         done = time.perf_counter()
         self._output_time += done - t2
-        if self.proposer is not None and all(c.num_tokens == c.num_sampled_rows for c in sched.chunks):
+        # An overlapped step launched after its predecessor was taken in (the first after a serial
+        # one) ran with nothing to overlap: its period is a serial step's, not what plain steps cost.
+        refill = not launch.serial and launch.t_launch > self._last_done
+        if self.proposer is not None and not refill and all(c.num_tokens == c.num_sampled_rows for c in sched.chunks):
             # Speculation's measure of a decoding step (a prompt chunk would skew it): the tokens it
-            # gave over its period, from the later of its launch and the previous step's completion
-            # to its own (with overlapped steps, the steady-state time per step).
-            period = done - max(self._last_done, launch.t_launch)
+            # gave over its period, from the previous step's completion to its own: the steady-state
+            # time per step, with the caller's work between steps in it for serial and overlapped
+            # steps alike.
+            period = done - (self._last_done or launch.t_launch)
             self.draft_length.observe(launch.batch, launch.k, period, sum(len(t) for t in result.token_ids))
         self._last_done = done
         return outputs

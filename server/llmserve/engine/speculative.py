@@ -169,16 +169,21 @@ class DraftLength:
     is optimistic, so a k it favours is run and then judged by its measurement, which sees what a
     step really costs (the proposer's work, the serial verification step, kernel shapes) and really
     gives (requests with nothing to propose, the acceptance at this load). A load starts with a
-    plain step (its rate is the yardstick), and every EXPLORE-th choice at a load runs the other
-    option (a plain step while speculating, the model's k while not), so the measurements follow
-    the load. Only decoding steps are measured (a prompt chunk would skew them). So speculation
-    stops where it does not pay: on a saturated GPU, on a host-bound model, for requests whose
-    proposals are rarely accepted."""
+    plain step (its rate is the yardstick), and from time to time a choice runs the other option
+    (plain steps while speculating, the model's k while not: `_explore`), so the measurements follow
+    the load. An exploring run of plain steps is PLAIN_RUN long: its first step refills the
+    overlap pipeline (the engine does not measure it), the others measure what plain steps cost when
+    they overlap, which a lone plain step between verification steps never shows (it ran serially:
+    on a host-bound model, up to twice the overlapped step). Only decoding steps are measured (a
+    prompt chunk would skew them). So speculation stops where it does not pay: on a saturated GPU,
+    on a host-bound model, for requests whose proposals are rarely accepted."""
 
     OVERHEAD = 0.02
     MARGIN = 0.05
     OUTLIER = 4.0
-    EXPLORE = 32
+    EXPLORE = 32  # choices before the first exploration at a load
+    EXPLORE_MAX = 256  # the longest wait between two
+    PLAIN_RUN = 3  # plain steps in a row when exploring them while speculating
     WARMUP = 8  # steps that keep the proposer's state before an exploring one (may_speculate_next)
     DECAY = 0.8  # of the means: the last ~5 steps of a kind count most
 
@@ -189,6 +194,11 @@ class DraftLength:
         self._count: dict[tuple[int, int], int] = {}  # steps observed per (batch bucket, k)
         self._steps: dict[int, int] = {}  # choices made per batch bucket
         self._last_best: dict[int, int] = {}  # the last choice's best k per batch bucket (before exploring)
+        # Per batch bucket: the choice that starts the next exploration, the choices between the last
+        # two, and the best k when the last one started.
+        self._explore_at: dict[int, int] = {}
+        self._interval: dict[int, int] = {}
+        self._best_before: dict[int, int] = {}
 
     @staticmethod
     def _bucket(batch: int) -> int:
@@ -238,8 +248,25 @@ class DraftLength:
         b = self._bucket(batch)
         n = self._steps[b] = self._steps.get(b, 0) + 1
         self._last_best[b] = best
-        if n % self.EXPLORE == 0:  # measure the road not taken
-            return 0 if best else self.modelled(batch, acceptance)
+        return self._explore(b, n, best, acceptance, batch)
+
+    def _explore(self, b: int, n: int, best: int, acceptance: float, batch: int) -> int:
+        """Measure the road not taken: PLAIN_RUN plain steps while speculating, one step of the
+        model's k while not. The first comes EXPLORE choices into a load; each that leaves the best k
+        as it was doubles the wait for the next (up to EXPLORE_MAX: an exploration that confirms costs
+        up to ~5% of a host-bound model's plain rate each time), one that changes it resets the wait."""
+        at = self._explore_at.setdefault(b, self.EXPLORE)
+        if n < at:
+            return best
+        if n == at:
+            self._best_before[b] = best
+        before = self._best_before[b]
+        if n < at + (self.PLAIN_RUN if before else 1):  # exploring
+            return 0 if before else self.modelled(batch, acceptance)
+        # The first choice after it: how long until the next.
+        wait = self._interval.get(b, self.EXPLORE)
+        wait = min(2 * wait, self.EXPLORE_MAX) if best == before else self.EXPLORE
+        self._interval[b], self._explore_at[b] = wait, n + wait
         return best
 
     def may_speculate_next(self, batch: int) -> bool:
@@ -254,7 +281,7 @@ class DraftLength:
         if self.rate(batch, 0) is None or self._last_best.get(b) is None:
             return True
         n = self._steps[b]
-        return self._last_best[b] > 0 or -(n + 1) % self.EXPLORE < self.WARMUP
+        return self._last_best[b] > 0 or 0 < self._explore_at.get(b, self.EXPLORE) - n <= self.WARMUP
 
     @staticmethod
     def _gain(acceptance: float, k: int) -> float:
