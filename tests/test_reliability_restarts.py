@@ -2,7 +2,7 @@
 and each stop leaves nothing behind (processes, ports, /dev/shm regions, run/lock files).
 
 10 cycles by default, as the issue asks (LLMSERVE_RELIABILITY_CYCLES to change).
-(test_triton_lifecycle.py does cycles without load, over gRPC only.)
+(test_triton_lifecycle.py does 3 cycles without load, over gRPC only, with the legacy port names.)
 """
 
 from __future__ import annotations

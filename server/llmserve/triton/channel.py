@@ -8,8 +8,7 @@ one whose Triton was restarted would find it up seconds late; with these options
 
 from __future__ import annotations
 
-from tritonclient.grpc import KeepAliveOptions
-from tritonclient.grpc._client import MAX_GRPC_MESSAGE_SIZE
+from tritonclient.grpc import MAX_GRPC_MESSAGE_SIZE, KeepAliveOptions
 
 RECONNECT_BACKOFF_MS = (100, 500)  # first wait, longest wait
 
