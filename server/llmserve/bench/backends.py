@@ -309,6 +309,7 @@ class TritonGRPCBackend(Backend):
             yield {"model_name": self.model_name, "inputs": [inp], "request_id": rid}
 
         stream = self.client.stream_infer(requests(), stream_timeout=self.timeout)
+        ended = False  # the request's last response came: the stream ends by itself
         try:
             async for result, error in stream:
                 if error is not None:
@@ -316,16 +317,23 @@ class TritonGRPCBackend(Backend):
                     break
                 out = result.as_numpy("OUT")
                 if out is None:  # an empty final response
+                    ended = True
                     break
                 if self.on_native_item(json.loads(out.reshape(-1)[0]), res, timer):
+                    ended = True
                     break
             else:
+                ended = True
                 if not res.error_code and timer.first:
                     res.fail("truncated", "the stream ended without is_end")
         except Exception as e:
             res.fail(type(e).__name__, str(e))
         finally:
-            stream.cancel()
+            # Cancel only a stream that has not ended: Triton (2.x, as pytriton ships it) keeps the
+            # model of a stream cancelled after its final response loaded, and a later stop then
+            # waits for its exit timeout (docs/serving.md).
+            if not ended:
+                stream.cancel()
         return timer.done()
 
 
