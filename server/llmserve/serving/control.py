@@ -210,7 +210,7 @@ def start() -> int:
         status, body = _ready(cfg.local_host, cfg.health_http_port)
         if status == 200:
             break
-        time.sleep(0.3)
+        time.sleep(0.1)
     else:
         print(
             f"start_server: not ready after {timeout:.0f} s (last answer {status}: {body}); stopping", file=sys.stderr

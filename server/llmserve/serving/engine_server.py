@@ -147,6 +147,7 @@ class EngineServer:
             elif op == "hello":
                 (self.monitors if msg.get("role") == "monitor" else self.adapters).add(client)
                 log.info("%s connected: %s", msg.get("role"), client.decode(errors="replace"))
+                self.next_hb = 0.0  # stats now: the supervisor's readiness waits for the adapter count
 
     def _add(self, client: bytes, req_id: str | None, parsed) -> None:
         """Admit one request (answering a rejection at once) and hand it to the core. This is where a

@@ -75,8 +75,10 @@ class EngineLink:
         self.sock.setsockopt(zmq.ROUTING_ID, identity.encode())
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.setsockopt(zmq.IMMEDIATE, 1)  # queue nothing while no engine is connected
+        # Retry every 100 ms (on loopback, cheap): a growing wait would find the engine up to 0.5 s
+        # after it starts (or restarts) listening, and readiness waits for the adapters' hellos.
         self.sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 500)
+        self.sock.setsockopt(zmq.RECONNECT_IVL_MAX, 100)
         self.sock.setsockopt(zmq.SNDHWM, 100_000)
         self.sock.setsockopt(zmq.RCVHWM, 100_000)
         # HANDSHAKE_SUCCEEDED, not CONNECTED: only then does a send with IMMEDIATE go through.

@@ -278,7 +278,8 @@ class Supervisor:
                     self.model_versions = self.model_metadata["versions"] or self.model_versions
             except Exception:
                 self.triton_ready = False
-            self.stopping.wait(0.5)
+            # Often until Triton is first ready (start-up waits for it), then every 0.5 s.
+            self.stopping.wait(0.5 if self.model_metadata is not None else 0.1)
         client.close()
 
     def _serve_http(self, port: int, handler: type) -> ThreadingHTTPServer:
