@@ -21,6 +21,7 @@ chi-square p-values use the Wilson-Hilferty approximation.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import random
@@ -126,6 +127,40 @@ def run(engine: LLMEngine, reqs, arrive_every: int = 2) -> dict[str, tuple[list[
     return {r: (tokens, reason) for r, (tokens, _text, reason) in got.items()}
 
 
+NEAR_TIE = 1e-4  # fp64 logits this close: fp32 rounding in another step shape may pick either
+
+
+def assert_same_greedy(got: dict, plain: dict, reqs, target: str, why: str) -> None:
+    """Greedy outputs equal, but where a request's first difference is at a near-tie of the target:
+    the Hugging Face fp64 logits after the plain tokens before it put both tokens within NEAR_TIE of
+    the top (CI saw a margin of 8e-7 with the draft that is the target; a verification step's
+    shape rounds differently from a decode step's). Nothing after such a tie is compared."""
+    assert got.keys() == plain.keys(), why
+    prompts = {rid: ids for rid, ids, _ in reqs}
+    for rid in plain:
+        if got[rid] == plain[rid]:
+            continue
+        a, b = plain[rid][0], got[rid][0]
+        j = next((i for i in range(min(len(a), len(b))) if a[i] != b[i]), None)
+        assert j is not None, f"{why}: {rid} differs without a differing token: {plain[rid]} {got[rid]}"
+        logits = _fp64_logits(target, tuple(prompts[rid] + a[:j]))
+        gaps = [float(logits.max() - logits[t]) for t in (a[j], b[j])]
+        assert max(gaps) < NEAR_TIE, f"{why}: {rid} parts at token {j} ({a[j]} vs {b[j]}), no near-tie: {gaps}"
+
+
+@functools.lru_cache(maxsize=64)
+def _fp64_logits(path: str, ids: tuple[int, ...]) -> torch.Tensor:
+    with torch.no_grad():
+        return _fp64_model(path)(torch.tensor([ids])).logits[0, -1]
+
+
+@functools.lru_cache(maxsize=2)
+def _fp64_model(path: str):
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+
+
 # ---------------------------------------------------------------- through the engine
 
 
@@ -137,7 +172,7 @@ def test_greedy_output_with_a_draft_model_is_the_output_without_it(tiny_hf_dir, 
     plain = run(plain_engine, reqs)
     for k in (1, 3, 5):
         engine = make_engine(target, draft_dir, k)
-        assert run(engine, reqs) == plain, f"seed {seed} k={k}"
+        assert_same_greedy(run(engine, reqs), plain, reqs, target, f"seed {seed} k={k}")
         st = engine.stats()
         assert st.spec_draft_tokens > 0 and st.spec_accepted_tokens <= st.spec_draft_tokens, f"seed {seed}"
         assert st.prefix_cache_hits > 0
@@ -152,7 +187,7 @@ def test_greedy_output_with_a_draft_model_is_the_output_without_it(tiny_hf_dir, 
     plain = run(make_engine(target, **small), long_reqs, arrive_every=1)
     engine = make_engine(target, draft_dir, 3, **small)
     engine.proposer.block_manager = BlockManager(40, engine.runner.block_size, enable_prefix_caching=False)
-    assert run(engine, long_reqs, arrive_every=1) == plain, f"seed {seed}"
+    assert_same_greedy(run(engine, long_reqs, arrive_every=1), plain, long_reqs, target, f"seed {seed}")
     assert engine.stats().preemptions > 0 and engine.stats().spec_draft_tokens > 0
 
 
@@ -164,7 +199,7 @@ def test_a_draft_that_is_the_target_is_accepted(tiny_hf_dir):
     reqs = workload(seed, 512, n=8)
     plain = run(make_engine(target), reqs)
     engine = make_engine(target, target, 4)
-    assert run(engine, reqs) == plain, f"seed {seed}"
+    assert_same_greedy(run(engine, reqs), plain, reqs, target, f"seed {seed}")
     st = engine.stats()
     assert st.spec_draft_tokens > 20 and st.spec_accepted_tokens >= 0.95 * st.spec_draft_tokens, f"seed {seed} {st}"
     sampled = workload(seed, 512, n=8, temperature=0.9)
