@@ -8,8 +8,10 @@
     plain decode step at batch 1.
   --trained DIR: the models of scripts/train_models.sh (DIR/target with its MTP layer, DIR/draft):
     acceptance rate and mean accepted length of each method for k = 1..5 on held-out stdlib
-    completions (greedy), and decode tokens/s at 1, 8 and 64 concurrent requests with each method
-    (adaptive, k <= 5) against no speculation, in the same run.
+    completions (greedy; SKIP_ACCEPTANCE=1 skips them), and decode tokens/s at 1, 8 and 64
+    concurrent requests with each method (adaptive, k <= 5) against no speculation: the engines take
+    turns over ROUNDS (5) counted rounds after an uncounted one, and the median counts. TRACE_RULE=1
+    keeps the draft-length rule's choices and observations of the last round in the JSON.
 
 Decode tokens/s counts the tokens after each request's first, over the time from the step that
 gave the last request its first token to the end (prefill excluded; all requests start together).
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import json
 import os
 import time
@@ -57,9 +60,38 @@ class OracleProposer(Proposer):
             r.draft_token_ids = self.cont[int(r.req_id.rsplit("-", 1)[1])][n : n + k]
 
 
+def trace_rule(engine: LLMEngine) -> list:
+    """Record the draft-length rule's choices and observations (for the JSON: what it saw and did)."""
+    log: list = []
+    rule = engine.draft_length
+    choose, observe = rule.choose, rule.observe
+
+    def traced_choose(batch: int, acceptance: float) -> int:
+        k = choose(batch, acceptance)
+        log.append(["choose", round(time.perf_counter(), 6), batch, k, round(acceptance, 3)])
+        return k
+
+    def traced_observe(batch: int, k: int, seconds: float, tokens: int) -> None:
+        log.append(["observe", round(time.perf_counter(), 6), batch, k, round(seconds * 1e3, 4), tokens])
+        observe(batch, k, seconds, tokens)
+
+    rule.choose, rule.observe = traced_choose, traced_observe
+    return log
+
+
 def decode_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> dict:
     """All prompts at once; decode tokens/s and ms/step after the last first token, the tokens, spec stats."""
     s0 = engine.stats()
+    pauses: dict[int, list[float]] = {}  # the garbage collector's pauses during the run, by generation
+    started = [0.0]
+
+    def on_gc(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            pauses.setdefault(info["generation"], []).append(time.perf_counter() - started[0])
+
+    gc.callbacks.append(on_gc)
     RUNS[0] += 1
     ids_of = {f"r{RUNS[0]}-{i}": ids for i, ids in enumerate(prompts)}
     for rid, ids in ids_of.items():
@@ -74,6 +106,7 @@ def decode_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
             t_first, steps_after = time.perf_counter(), engine.stats().steps
     torch.cuda.synchronize()
     wall = time.perf_counter() - t_first
+    gc.callbacks.remove(on_gc)
     s1 = engine.stats()
     n_dec = sum(len(t) - 1 for t in got.values())
     steps = max(1, s1.steps - steps_after)
@@ -83,6 +116,11 @@ def decode_run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> 
     return dict(
         decode_tok_s=n_dec / wall,
         ms_per_step=wall / steps * 1e3,
+        steps=steps,
+        decode_tokens=n_dec,
+        preemptions=s1.preemptions - s0.preemptions,
+        kv_blocks=s1.kv_blocks_total,
+        gc_pauses={g: [len(v), round(sum(v) * 1e3, 3), round(max(v) * 1e3, 3)] for g, v in pauses.items()},
         # The device's share (the runner's step events; the prefill steps too, a few of many).
         gpu_ms_per_step=(s1.model_time - s0.model_time) / max(1, s1.steps - s0.steps) * 1e3,
         acceptance=accepted / drafted if drafted else None,
@@ -197,20 +235,23 @@ def profile_b1(runner, base: Config, plain_cfg: Config, rng, max_tokens: int) ->
 
 
 def heldout_prompts(tokenizer, n: int, length: int, corpus_root: str = "", seed: int = 0) -> list[list[int]]:
-    """n windows of `length` tokens from the held-out files of the training corpus."""
+    """n windows of `length` tokens from the held-out files of the training corpus (a window from
+    each file in turn, as many rounds as it takes: there are fewer held-out files than requests)."""
     from llmserve.train.corpus import load_corpus, read_source
 
     corpus = load_corpus(Path(corpus_root) if corpus_root else None)
     rng = np.random.default_rng(seed)
-    out = []
+    files = []
     for rel in rng.permutation(np.array(corpus.heldout, dtype=object)):
         text = read_source(corpus.root / rel)
         ids = tokenizer.encode(text) if text else []
         if len(ids) > length + 8:
+            files.append(ids)
+    out = []
+    while files and len(out) < n:
+        for ids in files[: n - len(out)]:
             s = int(rng.integers(0, len(ids) - length))
             out.append(ids[s : s + length])
-        if len(out) == n:
-            break
     return out
 
 
@@ -245,38 +286,48 @@ def bench_trained(out: str, models: str, max_tokens: int, corpus: str = "") -> N
         except Exception as e:  # a method this build cannot run: say so in the table
             acc[name] = {"error": f"{type(e).__name__}: {e}"}
             continue
-        for k in range(1, 6):
+        for k in () if os.environ.get("SKIP_ACCEPTANCE") else range(1, 6):
             engine = engine_for(runners[name], base, k, False, proposers[name])
             r = decode_run(engine, prompts[:32], max_tokens)
             acc[name][f"k{k}"] = dict(acceptance=r["acceptance"], mean_accepted_len=r["mean_accepted_len"])
         print(name, json.dumps(acc[name]), flush=True)
         save(out)
-    # Decode rows: each engine serves the same requests twice and the second run counts (the
-    # draft-length rule, like a server's, has then measured its options at this load).
-    for c in (1, 8, 64):
-        engine = LLMEngine(plain_cfg, runner)
-        decode_run(engine, prompts[:c], max_tokens)
-        row = {"concurrency": c, "none": decode_run(engine, prompts[:c], max_tokens)}
-        for name in [*methods, "mtp_every_step"]:
-            if name.startswith("mtp") and "mtp" in proposers:  # mtp_every_step: the module in every step
-                engine = engine_for(runners["mtp"], base, 5, True, proposers["mtp"])
-                if name == "mtp_every_step":
-                    engine.draft_length.may_speculate_next = lambda batch: True
-            elif name in proposers:
-                engine = engine_for(runners[name], base, 5, True, proposers[name])
-            else:
-                continue
-            decode_run(engine, prompts[:c], max_tokens)
-            row[name] = decode_run(engine, prompts[:c], max_tokens)
-        for v in row.values():
-            if isinstance(v, dict):
-                v.pop("tokens", None)
-        for name in [*methods, "mtp_every_step"]:
-            if name in row:
+
+    # Decode rows: each engine serves the same requests ROUNDS + 1 times, the engines taking turns
+    # (plain, then each method, round after round: a drift of the machine's speed over the call
+    # touches all alike), and the first round is not counted (the draft-length rule, like a server's,
+    # has then measured its options at this load). Each figure is the median over the rounds.
+    rounds = int(os.environ.get("ROUNDS", "5"))
+
+    def decode_rows(dest: list) -> None:
+        for c in (1, 8, 64):
+            engines = {"none": LLMEngine(plain_cfg, runner)}
+            for name in methods:
+                if name in proposers:
+                    engines[name] = engine_for(runners[name], base, 5, True, proposers[name])
+            runs: dict[str, list[dict]] = {name: [] for name in engines}
+            for r in range(rounds + 1):
+                for name, engine in engines.items():
+                    log = (
+                        trace_rule(engine) if r == rounds and name != "none" and os.environ.get("TRACE_RULE") else None
+                    )
+                    got = decode_run(engine, prompts[:c], max_tokens)
+                    got.pop("tokens", None)
+                    if log is not None:
+                        got["rule_trace"] = log
+                    if r:
+                        runs[name].append(got)
+            row: dict = {"concurrency": c, "rounds": rounds}
+            for name, got in runs.items():
+                rates = [g["decode_tok_s"] for g in got]
+                row[name] = dict(got[-1], decode_tok_s=float(np.median(rates)), decode_tok_s_runs=rates)
+            for name in engines:
                 row[name]["speedup"] = row[name]["decode_tok_s"] / row["none"]["decode_tok_s"]
-        dec.append(row)
-        print(json.dumps(row, default=str), flush=True)
-        save(out)
+            dest.append(row)
+            print(json.dumps({k: v for k, v in row.items()}, default=str)[:3000], flush=True)
+            save(out)
+
+    decode_rows(dec)
     if "mtp" in proposers:  # where an MTP step's time goes, at k = 0 and at k = 3
         R["trained_mtp_profile"] = prof = {}
         for k in (0, 3):

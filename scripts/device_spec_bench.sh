@@ -20,5 +20,5 @@ if [[ "${TRAINED:-0}" == 1 ]]; then
   MODELS=/tmp/models EXTRA_ARGS="--corpus /tmp/stdlib" TARGET_SECONDS="${TARGET_SECONDS:-180}" \
     DRAFT_SECONDS="${DRAFT_SECONDS:-60}" DEADLINE_S=330 PY=python scripts/train_models.sh 2>&1 | tail -6
   cp /tmp/models/summary.json "$OUT/train_summary.json" || true
-  python scripts/bench_spec.py --trained /tmp/models --corpus /tmp/stdlib --out "$OUT/spec_trained.json" 2>&1 | grep -v Warn
+  python scripts/bench_spec.py --trained /tmp/models --corpus /tmp/stdlib --out "$OUT/spec_trained.json" ${SPEC_ARGS:-} 2>&1 | grep -v Warn
 fi

@@ -23,6 +23,7 @@
 # Workload: --workload random --input-len 512 --output-len 256 --range-ratio 0, greedy; RUNS lists
 # "prompts:concurrency[,concurrency]" sets (default "256:64,256 1024:256"; SMALL "64:16,64 128:64").
 # Other settings (env): PHASES (stack,engine), BACKENDS, INPUT_LEN, OUTPUT_LEN, NUM_WARMUPS (1),
+# CLIENT_PROCESSES (1: `llmserve bench --client-processes` of the served backends),
 # BATCH_SIZE, PUSH_MODE_HTTP_WORKERS, MODEL_DIR (serve this model, build none), DEADLINE_S (540: no
 # step runs past it, so that a 600 s limit leaves time to stop the stack and write the files),
 # PY (python3), WHL (.whl), SITE (/tmp/site), STUB_SITE (/tmp/stub-site), SKIP_INSTALL=1,
@@ -243,6 +244,7 @@ bench() {  # bench BACKEND PROMPTS CONCURRENCY-LIST
   SEED=$((SEED + 1))
   local extra=(--model "$MODEL_DIR")
   [[ "$b" == engine ]] || name="$name-w$PUSH_MODE_HTTP_WORKERS"
+  [[ "$b" == engine ]] || extra+=(--client-processes "${CLIENT_PROCESSES:-1}")
   log "bench $name: output in $WORK/bench-logs/$name.log"
   step "bench $name" 30 "$PY" -m llmserve.cli bench --backend "$b" "${extra[@]}" --workload random \
     --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --range-ratio 0 --temperature 0 --seed "$SEED" \

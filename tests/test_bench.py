@@ -7,7 +7,8 @@
   protocols: token counts, TTFT/ITL lower bounds, ordered percentiles,
   count in = completed + failed, failures by code;
 - the `engine` backend on the demo model, and the CLI (table, JSON, PNGs);
-- the real stack started by start_server.sh (native, OpenAI, Triton gRPC).
+- the real stack started by start_server.sh (native, OpenAI, Triton gRPC), also from
+  several client processes (--client-processes).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import multiprocessing
 import os
 import random
 import socket
@@ -27,6 +29,7 @@ import pytest
 
 from llmserve.bench.backends import make_backend
 from llmserve.bench.metrics import RequestResult, summarize
+from llmserve.bench.processes import ClientProcessError, ClientSpec, run_processes, split
 from llmserve.bench.runner import run_level
 from llmserve.bench.workload import SHAREGPT, BenchRequest, Vocab, arrival_delays, build_workload
 from llmserve.serving.testing import PORT_VARS as STACK_PORT_VARS
@@ -351,13 +354,50 @@ def test_cli_engine_sweep_writes_json_and_plots(tmp_path):
         assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_cli_rejects_bad_concurrency():
+def test_cli_rejects_bad_options(capsys):
     from llmserve.cli import main
 
     with pytest.raises(SystemExit):
         main(["bench", "--max-concurrency", "1,x"])
     with pytest.raises(SystemExit):
         main(["bench", "--max-concurrency", "0"])
+    # The engine runs in the client's process: refused before it is built.
+    assert main(["bench", "--backend", "engine", "--client-processes", "2"]) == 2
+    assert "--client-processes" in capsys.readouterr().err
+
+
+# ---- client processes -------------------------------------------------------------------------
+def _child_pids() -> set[int]:
+    """This process's child processes (Linux /proc), but the standard library's resource tracker (one
+    for the process's life, which the spawn start method starts)."""
+    me, pids = str(os.getpid()), set()
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            ppid = stat.read_text().rsplit(")", 1)[1].split()[1]
+            cmdline = (stat.parent / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == me and b"resource_tracker" not in cmdline:
+            pids.add(int(stat.parent.name))
+    return pids
+
+
+def test_client_process_shares():
+    assert split(8, 2, 4) == [([0, 2, 4, 6], 2), ([1, 3, 5, 7], 2)]  # round-robin, the cap split
+    (a, cap_a), (b, cap_b) = split(9, 2, 3)  # caps 2 + 1, shares in proportion
+    assert (cap_a, cap_b, len(a), len(b)) == (2, 1, 6, 3) and sorted(a + b) == list(range(9))
+    assert split(5, 4, 1) == [([0, 1, 2, 3, 4], 1)]  # fewer processes than asked: the cap is 1
+    assert split(3, 4, None) == [([0], None), ([1], None), ([2], None)]
+
+
+def test_client_process_error_ends_the_level(vocab, tmp_path):
+    spec = ClientSpec("native", "127.0.0.1", 1, str(tmp_path / "no-tokenizer"))
+    reqs = build_workload("random", vocab, 4, input_len=4, output_len=2)
+    before = _child_pids()
+    with pytest.raises(ClientProcessError, match=r"bench-client-\d failed") as err:
+        run_processes(spec, reqs, [0.0] * 4, None, 2, progress=False)
+    assert "no-tokenizer" in str(err.value)  # the worker's traceback
+    assert not multiprocessing.active_children() and _child_pids() <= before
 
 
 # ---- the real stack (start_server.sh) -------------------------------------------------------
@@ -411,3 +451,34 @@ def test_real_stack(stack, vocab, backend, fresh_seed):
             assert r.ttft > 0 and r.latency >= r.ttft
     assert s["output_len_mismatch"] == 0 == s["input_len_mismatch"]
     assert_ordered(s)
+
+
+# triton-grpc: each process closes its client right after its last stream; the stack's teardown checks
+# that no stream was cancelled after its final response (Triton would hold the model).
+@pytest.mark.parametrize("backend", ["native", "triton-grpc"])
+def test_real_stack_client_processes(stack, vocab, backend, tmp_path, fresh_seed):
+    """`llmserve bench --client-processes 2`: every request completes, in order, nothing left running."""
+    from llmserve.cli import main
+    from llmserve.engine.loader import ensure_demo_model
+
+    n, before = 12, _child_pids()
+    port = stack["grpc"] if backend == "triton-grpc" else stack["http"]
+    args = ["bench", "--backend", backend, "--port", str(port), "--tokenizer", str(ensure_demo_model())]
+    args += ["--metrics-url", "none"]
+    args += ["--num-prompts", str(n), "--input-len", "16", "--output-len", "4", "--range-ratio", "0.5"]
+    args += ["--max-concurrency", "1,4", "--request-rate", "200", "--num-warmups", "1", "--client-processes", "2"]
+    args += ["--seed", str(fresh_seed), "--no-progress", "--no-plots", "--save-requests", "--out-dir", str(tmp_path)]
+    assert main(args) == 0
+    reqs = build_workload("random", vocab, n, seed=fresh_seed, input_len=16, output_len=4, range_ratio=0.5)
+    runs = json.loads((tmp_path / f"bench-{backend}.json").read_text())["runs"]
+    for run, procs in zip(runs, (1, 2), strict=True):  # c=1: one process holds the whole cap
+        assert run["client_processes"] == procs and run["client_cpu_share"] > 0
+        assert run["num_requests"] == n == run["completed"] and run["failed"] == 0
+        assert run["total_input_tokens"] == sum(q.input_len for q in reqs)
+        assert run["total_output_tokens"] == sum(q.output_len for q in reqs)
+        # Gathered back into request order: each result has its request's lengths.
+        assert [(r["input_len"], r["output_len"]) for r in run["requests"]] == [
+            (q.input_len, q.output_len) for q in reqs
+        ]
+        assert_ordered(run)
+    assert not multiprocessing.active_children() and _child_pids() <= before

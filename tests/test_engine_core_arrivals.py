@@ -18,7 +18,7 @@ from llmserve.serving.ipc import dumps
 
 
 def test_the_wait_is_short_and_only_while_a_step_runs():
-    assert arrival_wait(0.040, finished=True, in_flight=True) == ARRIVAL_WAIT_S  # capped
+    assert arrival_wait(0.080, finished=True, in_flight=True) == ARRIVAL_WAIT_S  # capped
     assert arrival_wait(0.008, finished=True, in_flight=True) == pytest.approx(0.004)  # half a step
     assert arrival_wait(0.040, finished=False, in_flight=True) == 0.0  # no one is about to come back
     assert arrival_wait(0.040, finished=True, in_flight=False) == 0.0  # the device would idle meanwhile

@@ -349,11 +349,12 @@ def test_draft_length_rule():
 
 
 def test_draft_length_says_when_the_next_step_may_speculate():
-    """may_speculate_next (after choose): yes at a new load, while speculation pays, and in the
-    WARMUP choices before each exploring one; no while plain steps are best."""
+    """may_speculate_next (after choose): yes while speculation pays, and in the WARMUP choices
+    before each exploring one; no while plain steps are best, and not in the first plain step at a
+    new load (it measures plain decoding, which keeps no proposer state)."""
     rule = DraftLength(max_k=3, saturation_tokens=256)
     B = 4
-    assert rule.choose(B, 0.6) == 0 and rule.may_speculate_next(B)  # new load: the model may say k > 0
+    assert rule.choose(B, 0.6) == 0 and not rule.may_speculate_next(B)  # new load: plain, as it is
     for _ in range(10):
         rule.observe(B, 0, 0.001, B)
         for k in (1, 2, 3):
@@ -367,11 +368,33 @@ def test_draft_length_says_when_the_next_step_may_speculate():
     assert [i + 1 for i, p in enumerate(picks) if p] == [E, 2 * E + E + 1] and says.count(True) == 2 * W
     for i, said in enumerate(says[:-W]):
         assert said == any(p > 0 for p in picks[i + 1 : i + 1 + W]), i  # an exploring choice is near
-    assert rule.may_speculate_next(64)  # another load: not measured yet
+    assert not rule.may_speculate_next(64)  # another load: plain decoding is measured first
     for _ in range(30):
         rule.observe(B, 3, 0.0012, 2.5 * B)  # now verification pays
     assert rule.choose(B, 0.6) == 3 and rule.may_speculate_next(B)
     assert DraftLength(3, 256, adaptive=False).may_speculate_next(B)
+
+
+def test_an_expensive_exploration_waits_its_cost_out():
+    """An exploring verification step that costs 50 plain steps (a draft model catching up) is not
+    repeated until plain decoding has run 50 / EXPLORE_SHARE steps' time; meanwhile no step keeps the
+    proposer's state for it (may_speculate_next), but the WARMUP ones before the next."""
+    rule = DraftLength(max_k=3, saturation_tokens=256)
+    B, steps = 4, 4000
+    picks, says = [], []
+    for _ in range(steps):
+        k = rule.choose(B, 0.6)
+        picks.append(k)
+        says.append(rule.may_speculate_next(B))
+        rule.observe(B, k, 0.050 if k else 0.001, 1.5 * B if k else B)
+    explored = [i + 1 for i, k in enumerate(picks) if k]
+    wait = (0.050 - 0.006) / rule.EXPLORE_SHARE / 0.001  # its cost beyond plain's: 2,200 plain steps
+    # The model's k = 1, 2, 3 tried once each at the start, the exploration at choice EXPLORE, the next
+    # after its cost is paid off (about 2,400 choices on: not EXPLORE_MAX = 256 later).
+    assert explored[:4] == [2, 3, 4, 1 + rule.EXPLORE] and len(explored) == 5, explored  # 1: the yardstick
+    assert explored[4] - explored[3] >= wait, explored
+    # The state is kept for the three first tries and the WARMUP choices before each exploration.
+    assert says.count(True) == 3 + 2 * rule.WARMUP, [i + 1 for i, x in enumerate(says) if x]
 
 
 def test_draft_length_follows_measured_rates():
@@ -412,50 +435,70 @@ def test_draft_length_follows_measured_rates():
 
 
 def test_plain_steps_are_measured_once_they_overlap(models):
-    """An overlapped plain step launched after a verification step (serial) ran with nothing to
-    overlap: the engine does not give its period to the rule, which would take plain decoding for a
-    serial step's cost (on a host-bound model, twice the overlapped one). The next ones it measures."""
+    """Switching between overlapped plain steps and a serial verification step costs: the plain step
+    in flight when it starts ran its device time under the step before (its period is what was left
+    of it), and the first plain step after it refills the overlap pipeline (a serial step's cost, on a
+    host-bound model twice the overlapped one). The engine measures neither as plain decoding but
+    charges both to the verification step, whose switch they are; the plain steps between it measures
+    alone."""
     engine = make_engine(models, "torch", 3)
     assert engine.overlap
     ks = itertools.cycle([3, 0, 0, 0])  # a verification step, then three plain ones
     engine.draft_length.choose = lambda batch, acceptance: next(ks)
     observed = []
     measure = engine.draft_length.observe
-    engine.draft_length.observe = lambda b, k, s, n: (observed.append(k), measure(b, k, s, n))
+    engine.draft_length.observe = lambda b, k, s, n: (observed.append((k, n)), measure(b, k, s, n))
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True)
     run(engine, [("a", [5, 9, 13, 2] * 8, params)])
-    verify, plain = observed.count(3), observed.count(0)
-    assert verify >= 5 and abs(plain - 2 * verify) <= 2, observed  # not 3 plain steps per verification
+    verify = [n for k, n in observed if k == 3]
+    plain = [n for k, n in observed if k == 0]
+    assert len(verify) >= 5 and abs(len(plain) - len(verify)) <= 2, observed  # one measured plain step each
+    assert set(plain) == {1}
+    # Its own 1..4 tokens, the refill's and the step's before it (the first had none before it).
+    assert min(verify[1:-1]) >= 3, observed
 
 
 def test_draft_length_on_a_host_bound_and_a_device_bound_model():
-    """The rule in an engine's loop (the engine drops the first overlapped step after a serial one):
-    on a host-bound model (host 1, device 1 a step: plain steps overlap at 1, serial steps take 2)
-    verification steps that give 1.75x a plain step's tokens for 2.3x its time lose to plain decoding,
-    and the rule decodes plainly; on a device-bound one (host 0.1) it speculates. Throughput within a
-    few percent of the better policy's."""
+    """The rule in an engine's loop (the first overlapped step after a serial one is charged to that
+    serial step): on a host-bound model (host 1, device 1 a step: plain steps overlap at 1, serial
+    steps take 2) verification steps that give 1.75x a plain step's tokens for 2.3x its time lose to
+    plain decoding, and the rule decodes plainly, also when a verification step after plain ones
+    costs more the longer they ran (a draft model catching up: `catch_up` plain steps' worth per
+    plain step since the last verification: each exploration costs more than the last, and the time
+    until the next grows with it); on a device-bound one (host 0.1) it speculates.
+    Throughput within a few percent of the better policy's."""
 
-    def simulate(host: float, device: float, steps: int = 2000) -> tuple[float, float]:
+    def simulate(host: float, device: float, catch_up: float = 0.0, steps: int = 4000) -> tuple[float, float]:
         rule = DraftLength(max_k=2, saturation_tokens=256)
         B, accept = 8, 0.5
         time_used = tokens = 0.0
-        prev_k = 0
+        prev_k, missed, held = 0, 0, None
         for _ in range(steps):
             k = rule.choose(B, accept)
             if k:  # serial: host and device in turn; 1 + a + a^2 tokens a request
-                period, got = host * 1.2 + device * 1.1, B * (1 + accept + accept**2)
-            elif prev_k:  # the pipeline refills: a serial step's cost, not measured
-                period, got = host + device, B
+                period = host * 1.2 + device * 1.1 + catch_up * missed * max(host, device)
+                got, missed = B * (1 + accept + accept**2), 0
+            elif prev_k:  # the pipeline refills: a serial step's cost
+                period, got, missed = host + device, B, 1
             else:
-                period, got = max(host, device), B
-            if not (k == 0 and prev_k):
-                rule.observe(B, k, period, got)
+                period, got, missed = max(host, device), B, missed + 1
+            if held and not k and prev_k:
+                rule.observe(B, held[0], held[1] + period, held[2] + got)
+            else:
+                if held:
+                    rule.observe(B, *held)
+                if not k:
+                    rule.observe(B, k, period, got)
+            held = (k, period, got) if k else None
             time_used, tokens, prev_k = time_used + period, tokens + got, k
         best_spec = B * (1 + accept + accept**2) / (host * 1.2 + device * 1.1)
         return tokens / time_used, max(B / max(host, device), best_spec)
 
     rate, best = simulate(host=1.0, device=1.0)  # speculation: 14 tokens / 2.3 = 6.1; plain: 8
     assert rate >= 0.97 * best
+    # An exploration after 256 plain steps costs 51 more; without EXPLORE_SHARE: 0.84x.
+    rate, best = simulate(host=1.0, device=1.0, catch_up=0.2)
+    assert rate >= 0.95 * best
     rate, best = simulate(host=0.1, device=1.0)  # speculation: 14 / 1.22 = 11.5; plain: 8
     assert rate >= 0.95 * best
 

@@ -188,6 +188,20 @@ def test_coalesce_keeps_every_token_in_order(adapter, items):
     assert _firsts(out) == _firsts(items)
 
 
+@settings(max_examples=200, deadline=None)
+@given(bursts())
+def test_requests_that_end_are_sent_first(adapter, items):
+    merged = adapter.coalesce(items)
+    out = adapter.finals_first(merged)
+    assert sorted(map(id, out)) == sorted(map(id, merged))  # the same items, none dropped or added
+    for rid in {i["req_id"] for i in merged}:  # each request's items in their order
+        assert [i for i in out if i["req_id"] == rid] == [i for i in merged if i["req_id"] == rid]
+    ending = [
+        bool(any(j.get("is_end") or j.get("error_code") for j in merged if j["req_id"] == i["req_id"])) for i in out
+    ]
+    assert ending == sorted(ending, reverse=True)  # every item of a request that ends comes before the others'
+
+
 def _firsts(items: list[dict]) -> list[tuple[str, int]]:
     """(req_id, life) in the order of first appearance."""
     keys, lives = [], {}

@@ -294,7 +294,9 @@ class TritonGRPCBackend(Backend):
         self.client = grpcclient.InferenceServerClient(url=f"{self.host}:{self.port}")
 
     async def close(self) -> None:
-        await self.client.close()
+        # With a grace period (tritonclient's close has none): a stream whose final response came may
+        # still be open a moment, and cancelling it leaves Triton holding the model (docs/serving.md).
+        await self.client._channel.close(grace=5.0)
 
     async def send(self, req: BenchRequest, rid: str) -> RequestResult:
         import numpy as np

@@ -2,6 +2,7 @@
 
     llmserve bench --backend native --num-prompts 200 --max-concurrency 1,8,32
     llmserve bench --backend engine --model DIR --workload sharegpt-synthetic
+    llmserve bench --backend triton-grpc --max-concurrency 256 --client-processes 4
 
 Prints a table per concurrency level, writes `<name>.json` and PNG plots
 (`<name>-latency-c<N>.png`; `<name>-sweep.png` for several levels) into --out-dir.
@@ -13,17 +14,20 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import math
+import signal
 import sys
 import time
 from pathlib import Path
 
-from llmserve.bench.backends import BACKENDS, Backend, make_backend
+from llmserve.bench.backends import BACKENDS, Backend, _OpenAIBackend
 from llmserve.bench.metrics import results_to_dicts, spec_summary, summarize
+from llmserve.bench.processes import ClientProcessError, ClientSpec, run_processes
 from llmserve.bench.report import format_table, plot_latencies, plot_sweep, save_json
 from llmserve.bench.runner import run_level, warmup
-from llmserve.bench.workload import SHAREGPT, Vocab, build_workload
+from llmserve.bench.workload import SHAREGPT, Vocab, arrival_offsets, build_workload
 
 
 def _concurrency_list(raw: str) -> list[int | None]:
@@ -78,6 +82,14 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     b.add_argument("--timeout", type=float, default=300.0, help="per-request timeout (s)")
     b.add_argument("--num-warmups", type=int, default=0, help="unmeasured requests sent first, one at a time")
+    b.add_argument(
+        "--client-processes",
+        type=int,
+        default=1,
+        metavar="N",
+        help="served backends: split each level's requests over N client processes (one asyncio client "
+        "saturates a core at high concurrency)",
+    )
     b.add_argument("--out-dir", default=".", help="where the JSON and PNG files go (default: here)")
     b.add_argument("--result-name", default="", help="file name stem (default bench-<backend>)")
     b.add_argument("--no-plots", action="store_true")
@@ -87,7 +99,8 @@ def add_bench_parser(subparsers) -> argparse.ArgumentParser:
     return b
 
 
-def _make_backend(args: argparse.Namespace) -> tuple[Backend, Vocab]:
+def _make_backend(args: argparse.Namespace) -> tuple[Backend, Vocab, ClientSpec | None]:
+    """The backend, the prompts' vocabulary, and (served backends) how client processes build theirs."""
     from llmserve.config import Config
 
     config = Config.from_env()
@@ -97,7 +110,7 @@ def _make_backend(args: argparse.Namespace) -> tuple[Backend, Vocab]:
 
         engine = build_engine(dataclasses.replace(config, model_dir=args.model or config.model_dir))
         vocab = Vocab(_load_tokenizer(args.tokenizer) if args.tokenizer else engine.tokenizer)
-        return EngineBackend(engine, vocab, temperature=args.temperature, timeout=args.timeout), vocab
+        return EngineBackend(engine, vocab, temperature=args.temperature, timeout=args.timeout), vocab, None
     from llmserve.engine.loader import resolve_model_dir
 
     tok_dir = args.tokenizer or str(
@@ -105,11 +118,11 @@ def _make_backend(args: argparse.Namespace) -> tuple[Backend, Vocab]:
     )
     vocab = Vocab(_load_tokenizer(tok_dir))
     port = args.port or (config.service_grpc_port if args.backend == "triton-grpc" else config.service_http_port)
-    kw = {"temperature": args.temperature, "timeout": args.timeout}
-    backend = make_backend(args.backend, args.host, port, vocab, **kw)
+    spec = ClientSpec(args.backend, args.host, port, tok_dir, args.temperature, args.timeout)
+    backend = spec.build(vocab)
     url = args.metrics_url or f"http://{args.host}:{config.metrics_http_port}/metrics"
     backend.metrics_url = "" if url == "none" else url
-    return backend, vocab
+    return backend, vocab, spec
 
 
 def _load_tokenizer(path: str):
@@ -122,8 +135,21 @@ def _tokens(results) -> int:
     return sum(r.output_len for r in results)
 
 
-async def _run_all(args: argparse.Namespace, backend: Backend, requests) -> list[tuple]:
-    """[(results, duration, max concurrency, speculative decoding summary or None, client CPU s)] per level."""
+@contextlib.contextmanager
+def _plain_ctrl_c():
+    """Ctrl-C raises KeyboardInterrupt: asyncio.run (3.11+) makes the first one a cancellation of
+    the main task, which a blocking call inside it never sees."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+
+
+async def _run_all(args: argparse.Namespace, backend: Backend, spec: ClientSpec | None, requests) -> list[tuple]:
+    """[(results, duration, max concurrency, speculative decoding summary or None, [client CPU s per process])]
+    per level. Warm-ups and the counters go through `backend`, in this process."""
+    procs = spec if args.client_processes > 1 else None  # how each client process builds its backend
     await backend.start()
     runs = []
     try:
@@ -131,15 +157,25 @@ async def _run_all(args: argparse.Namespace, backend: Backend, requests) -> list
         warm = await warmup(backend, requests, args.num_warmups)
         if warm:
             seen = await backend.counters(seen, _tokens(warm))
+        if procs is not None and isinstance(backend, _OpenAIBackend):
+            for req in requests:  # text prompts made once here, not in each client process's measured time
+                backend.prompt_text(req)
         for conc in args.max_concurrency:
-            desc = f"{args.backend} c={conc or 'inf'}"
-            cpu = time.process_time()
-            results, duration = await run_level(
-                backend, requests, args.request_rate, conc, args.seed, progress=not args.no_progress, desc=desc
-            )
-            cpu = time.process_time() - cpu
+            desc, progress = f"{args.backend} c={conc or 'inf'}", not args.no_progress
+            if procs is not None:
+                # Blocks this loop on purpose: nothing else is to run in it meanwhile.
+                offsets = arrival_offsets(len(requests), args.request_rate, args.seed)
+                with _plain_ctrl_c():
+                    n = args.client_processes
+                    results, duration, cpus = run_processes(procs, requests, offsets, conc, n, progress, desc)
+            else:
+                cpu = time.process_time()
+                results, duration = await run_level(
+                    backend, requests, args.request_rate, conc, args.seed, progress, desc
+                )
+                cpus = [time.process_time() - cpu]
             now = await backend.counters(seen, _tokens(results))
-            runs.append((results, duration, conc, spec_summary(seen, now), cpu))
+            runs.append((results, duration, conc, spec_summary(seen, now), cpus))
             seen = now
     finally:
         await backend.close()
@@ -150,7 +186,14 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.num_prompts < 1:
         print("llmserve bench: --num-prompts must be >= 1", file=sys.stderr)
         return 2
-    backend, vocab = _make_backend(args)
+    if args.client_processes < 1:
+        print("llmserve bench: --client-processes must be >= 1", file=sys.stderr)
+        return 2
+    if args.client_processes > 1 and args.backend == "engine":
+        msg = "the engine backend runs the engine in the client's process: --client-processes must be 1"
+        print(f"llmserve bench: {msg}", file=sys.stderr)
+        return 2
+    backend, vocab, spec = _make_backend(args)
     requests = build_workload(
         args.workload,
         vocab,
@@ -161,7 +204,11 @@ def run_bench(args: argparse.Namespace) -> int:
         range_ratio=args.range_ratio,
         path=args.dataset_path,
     )
-    runs = asyncio.run(_run_all(args, backend, requests))
+    try:
+        runs = asyncio.run(_run_all(args, backend, spec, requests))
+    except ClientProcessError as e:
+        print(f"llmserve bench: error: {e}", file=sys.stderr)
+        return 1
     if args.backend == "engine":
         backend.engine.shutdown()
 
@@ -175,12 +222,15 @@ def run_bench(args: argparse.Namespace) -> int:
         "seed": args.seed,
     }
     summaries, files = [], []
-    for results, duration, conc, spec, cpu in runs:
+    for results, duration, conc, spec_decode, cpus in runs:
         s = summarize(results, duration, **meta, max_concurrency=conc)
-        s["spec_decode"] = spec  # None: no drafts verified (or the server's metrics not reachable)
-        # CPU time of this process over the level's wall time: near 1, the client (one Python thread)
-        # is what paces the streams it reads; with the engine backend it includes the engine's host work.
-        s["client_cpu_share"] = cpu / max(duration, 1e-9)
+        s["spec_decode"] = spec_decode  # None: no drafts verified (or the server's metrics not reachable)
+        # The client's CPU time over the level's wall time, summed over its processes: near 1 in a process,
+        # the client (one Python thread) is what paces the streams it reads; with the engine backend it
+        # includes the engine's host work.
+        s["client_processes"] = len(cpus)
+        s["client_cpu_share"] = sum(cpus) / max(duration, 1e-9)
+        s["client_cpu_share_max"] = max(cpus) / max(duration, 1e-9)  # the busiest process
         if args.save_requests:
             s["requests"] = results_to_dicts(results)
         summaries.append(s)

@@ -33,6 +33,9 @@ def format_table(summary: dict) -> str:
     ]
     if "client_cpu_share" in summary:
         rows.append(("Client CPU / wall time:", summary["client_cpu_share"]))
+    if summary.get("client_processes", 1) > 1:
+        rows.append(("Client processes:", summary["client_processes"]))
+        rows.append(("  busiest one's CPU / wall time:", summary["client_cpu_share_max"]))
     for label, v in rows:
         lines.append(f"{label:<40}{v:>22.2f}" if isinstance(v, float) else f"{label:<40}{v:>22}")
     if summary.get("output_len_mismatch"):

@@ -166,3 +166,8 @@ def arrival_delays(num: int, request_rate: float, seed: int) -> list[float]:
         raise ValueError(f"--request-rate must be > 0 or inf, got {request_rate}")
     rng = np.random.default_rng(seed + 1)
     return rng.exponential(1.0 / request_rate, size=num).tolist()
+
+
+def arrival_offsets(num: int, request_rate: float, seed: int) -> list[float]:
+    """Each request's send time, in seconds after the start: the sums of `arrival_delays`."""
+    return np.cumsum(arrival_delays(num, request_rate, seed)).tolist()

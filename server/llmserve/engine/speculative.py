@@ -182,7 +182,8 @@ class DraftLength:
     MARGIN = 0.05
     OUTLIER = 4.0
     EXPLORE = 32  # choices before the first exploration at a load
-    EXPLORE_MAX = 256  # the longest wait between two
+    EXPLORE_MAX = 256  # the longest wait between two, unless their cost says wait longer:
+    EXPLORE_SHARE = 0.02  # at most this share of a load's time goes to steps slower than its best k
     PLAIN_RUN = 3  # plain steps in a row when exploring them while speculating
     WARMUP = 8  # steps that keep the proposer's state before an exploring one (may_speculate_next)
     DECAY = 0.8  # of the means: the last ~5 steps of a kind count most
@@ -199,6 +200,11 @@ class DraftLength:
         self._explore_at: dict[int, int] = {}
         self._interval: dict[int, int] = {}
         self._best_before: dict[int, int] = {}
+        # Per batch bucket: seconds of measured steps, and what the steps of other k than the best
+        # cost beyond the best's rate (explorations: a draft model catching up, the serial switches).
+        self._spent: dict[int, float] = {}
+        self._excess: dict[int, float] = {}
+        self._mark: dict[int, tuple[float, float]] = {}  # (excess, spent) when the last exploration began
 
     @staticmethod
     def _bucket(batch: int) -> int:
@@ -209,7 +215,13 @@ class DraftLength:
         load and gave `tokens` tokens. The first step of a kind at a load may pay one-time costs
         (kernels compiled for new shapes, first graph replays) that would weigh on its mean for
         hundreds of steps: the second replaces it, and no step counts for more than OUTLIER x the mean."""
-        key = (self._bucket(batch), k)
+        b = self._bucket(batch)
+        best = self._last_best.get(b)
+        rate = self.rate(batch, best) if best is not None and k != best else None
+        if rate:
+            self._excess[b] = self._excess.get(b, 0.0) + max(0.0, seconds - tokens / rate)
+        self._spent[b] = self._spent.get(b, 0.0) + seconds
+        key = (b, k)
         old = self._seen.get(key)
         n = self._count[key] = self._count.get(key, 0) + 1
         d = self.DECAY
@@ -259,6 +271,15 @@ class DraftLength:
         if n < at:
             return best
         if n == at:
+            # The last exploration (and any choice since that ran slower than the best) may cost at
+            # most EXPLORE_SHARE of the time from its start to the next: a draft model that catches
+            # up over every token since it last ran costs more the longer plain decoding went on.
+            owed = self._owed(b)
+            if owed > 0:  # not yet: in about as many choices as the best k's steps take that long
+                step = self._seen.get((b, best), (0.0, 0.0))[0]
+                self._explore_at[b] = n + 1 + (int(owed / step) if step > 0 else self.EXPLORE)
+                return best
+            self._mark[b] = (self._excess.get(b, 0.0), self._spent.get(b, 0.0))
             self._best_before[b] = best
         before = self._best_before[b]
         if n < at + (self.PLAIN_RUN if before else 1):  # exploring
@@ -269,19 +290,36 @@ class DraftLength:
         self._interval[b], self._explore_at[b] = wait, n + wait
         return best
 
+    def _owed(self, b: int) -> float:
+        """Seconds of measured steps still to run before the next exploration at this load: the last
+        exploration (and any choice since that ran slower than the best) may cost at most
+        EXPLORE_SHARE of the time from its start to the next. A draft model that catches up over
+        every token since it last ran costs more the longer plain decoding went on."""
+        last_excess, last_spent = self._mark.get(b, (0.0, 0.0))
+        return (self._excess.get(b, 0.0) - last_excess) / self.EXPLORE_SHARE - (self._spent.get(b, 0.0) - last_spent)
+
     def may_speculate_next(self, batch: int) -> bool:
-        """Whether a choice soon at this load may give k > 0 (called after `choose`): a new load, a
-        load whose best k is above 0, or an exploring choice within the next WARMUP. When not, a step
-        need not keep the proposer's per-step state (mtp: the module's K/V at its positions, so the
-        WARMUP steps before an exploring one refill the recent ones). A wrong guess (the load
-        changed) costs one step without proposals."""
+        """Whether a choice soon at this load may give k > 0 (called after `choose`): a load whose
+        best k is above 0, or an exploring choice within the next WARMUP. When not, a step need not
+        keep the proposer's per-step state (mtp: the module's K/V at its positions, so the WARMUP
+        steps before an exploring one refill the recent ones). Plain steps that measure plain
+        decoding keep none either (the engine counts a step that kept it as part of speculation's
+        cost, not as a plain step): the first at a new load, and those explored while speculating
+        (but the last). A wrong guess costs one step's proposals their state (weaker proposals)."""
         if not self.adaptive:
             return True
         b = self._bucket(batch)
-        if self.rate(batch, 0) is None or self._last_best.get(b) is None:
+        if self.rate(batch, 0) is None:
+            return False  # the yardstick: plain decoding as it is
+        if self._last_best.get(b) is None:
             return True
-        n = self._steps[b]
-        return self._last_best[b] > 0 or 0 < self._explore_at.get(b, self.EXPLORE) - n <= self.WARMUP
+        n, at = self._steps[b], self._explore_at.get(b, self.EXPLORE)
+        if self._best_before.get(b) and at <= n < at + self.PLAIN_RUN - 1:
+            return False  # plain steps explored while speculating measure plain decoding as it is
+        if self._last_best[b] > 0:
+            return True
+        step = self._seen.get((b, 0), (0.0, 0.0))[0]
+        return 0 < at - n <= self.WARMUP and self._owed(b) <= (at - n) * step  # paid off by then
 
     @staticmethod
     def _gain(acceptance: float, k: int) -> float:

@@ -64,8 +64,9 @@ log = logging.getLogger("llmserve.engine_core")
 IDLE_POLL_MS = 100
 CORE_START_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing CUDA graphs takes minutes
 # After a step whose outputs finished requests, while the next step runs on the device: how long the
-# loop may wait for the requests that replace them (at most this, and at most this share of a step).
-ARRIVAL_WAIT_S = 0.010
+# loop may wait for the requests that replace them (at most this, and at most this share of a step:
+# of the recent steps' mean or the last step's time, whichever is shorter).
+ARRIVAL_WAIT_S = 0.025
 ARRIVAL_WAIT_SHARE = 0.5
 
 
@@ -155,13 +156,15 @@ class EngineCore:
         eng = self.engine
         parent = os.getppid()
         period, last = 0.0, None  # decayed seconds per step of back-to-back steps; the last step's end
+        step_s = 0.0  # the last back-to-back step's own time
         while not self.stopping:
             took = self.sock.poll(0 if eng.has_unfinished() else IDLE_POLL_MS) and self._drain()
             busy = eng.has_unfinished()
             outs = eng.step() if busy else []
             t = time.perf_counter()
             if busy and last is not None:
-                period = t - last if not period else 0.8 * period + 0.2 * (t - last)
+                step_s = t - last
+                period = step_s if not period else 0.8 * period + 0.2 * step_s
             last = t if busy else None
             if outs or took or eng.has_unfinished():  # every step reports: it is the server's sign of progress
                 bm, sch = eng.block_manager, eng.scheduler
@@ -172,7 +175,7 @@ class EngineCore:
                     msg["spec"], self.spec = spec_sum(now, self.spec, -1), now
                 self.sock.send(dumps(msg))
                 finished = sum(1 for o in outs if o.finished)
-                self._await_successors(finished, arrival_wait(period, finished > 0, eng.step_in_flight))
+                self._await_successors(finished, arrival_wait(min(period, step_s), finished > 0, eng.step_in_flight))
             elif os.getppid() != parent:  # the server is gone (belt and braces beside PDEATHSIG)
                 break
 

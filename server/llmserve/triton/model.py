@@ -8,6 +8,9 @@ new tokens; the IO thread answers each request with `OUT` responses, the last
 one carrying TRITONSERVER_RESPONSE_COMPLETE_FINAL, and numbers them itself
 (`send_idx` 0, 1, 2, ... per request, counting the responses it sends).
 
+Order: within a turn, the responses of requests that end go first (`finals_first`): their clients
+send the next request on them.
+
 Coalescing: each turn of the IO loop takes every engine message waiting, and
 `coalesce` merges each request's consecutive token items into one response
 (texts, token_ids and logprobs concatenated; the last item's is_end,
@@ -106,6 +109,19 @@ def coalesce(items: list[dict]) -> list[dict]:
         if item.get("is_end"):
             del groups[rid]
     return out
+
+
+def finals_first(items: list[dict]) -> list[dict]:
+    """The items of requests that end in this batch first (each request's items in their order).
+
+    Sending a response waits for tritonserver to take it (~0.15 ms); at 64 streams a stub that is a
+    few ms. A client whose request ended sends its next one on the final response, and the engine
+    waits a little for such successors (engine_core.arrival_wait): the finals should not queue
+    behind other streams' tokens."""
+    ending = {i.get("req_id") for i in items if i.get("is_end") or i.get("error_code")}
+    if not ending or len(ending) == len(items):
+        return items
+    return [i for i in items if i.get("req_id") in ending] + [i for i in items if i.get("req_id") not in ending]
 
 
 class TritonPythonModel:
@@ -264,7 +280,7 @@ class TritonPythonModel:
 
     def _deliver(self, items: list[dict]) -> None:
         """Send the engine's items, merged per request (see `coalesce`), each numbered (send_idx)."""
-        out, merged = [], coalesce(items)
+        out, merged = [], finals_first(coalesce(items))
         with self.lock:
             for item in merged:
                 rid = item.get("req_id")
