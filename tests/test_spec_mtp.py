@@ -195,6 +195,9 @@ class ScriptedRule:
     def observe(self, *args) -> None:
         pass
 
+    def rate(self, batch: int, k: int) -> None:
+        return None  # nothing measured
+
 
 def test_plain_steps_before_plain_steps_skip_the_module():
     """A step whose successor will not speculate does not run the MTP module and forgets its

@@ -349,12 +349,11 @@ def test_draft_length_rule():
 
 
 def test_draft_length_says_when_the_next_step_may_speculate():
-    """may_speculate_next (after choose): yes while speculation pays, and in the WARMUP choices
-    before each exploring one; no while plain steps are best, and not in the first plain step at a
-    new load (it measures plain decoding, which keeps no proposer state)."""
+    """may_speculate_next (after choose): yes at a new load, while speculation pays, and in the
+    WARMUP choices before each exploring one; no while plain steps are best."""
     rule = DraftLength(max_k=3, saturation_tokens=256)
     B = 4
-    assert rule.choose(B, 0.6) == 0 and not rule.may_speculate_next(B)  # new load: plain, as it is
+    assert rule.choose(B, 0.6) == 0 and rule.may_speculate_next(B)  # new load: the model may say k > 0
     for _ in range(10):
         rule.observe(B, 0, 0.001, B)
         for k in (1, 2, 3):
@@ -368,7 +367,7 @@ def test_draft_length_says_when_the_next_step_may_speculate():
     assert [i + 1 for i, p in enumerate(picks) if p] == [E, 2 * E + E + 1] and says.count(True) == 2 * W
     for i, said in enumerate(says[:-W]):
         assert said == any(p > 0 for p in picks[i + 1 : i + 1 + W]), i  # an exploring choice is near
-    assert not rule.may_speculate_next(64)  # another load: plain decoding is measured first
+    assert rule.may_speculate_next(64)  # another load: not measured yet
     for _ in range(30):
         rule.observe(B, 3, 0.0012, 2.5 * B)  # now verification pays
     assert rule.choose(B, 0.6) == 3 and rule.may_speculate_next(B)
@@ -393,8 +392,9 @@ def test_an_expensive_exploration_waits_its_cost_out():
     # after its cost is paid off (about 2,400 choices on: not EXPLORE_MAX = 256 later).
     assert explored[:4] == [2, 3, 4, 1 + rule.EXPLORE] and len(explored) == 5, explored  # 1: the yardstick
     assert explored[4] - explored[3] >= wait, explored
-    # The state is kept for the three first tries and the WARMUP choices before each exploration.
-    assert says.count(True) == 3 + 2 * rule.WARMUP, [i + 1 for i, x in enumerate(says) if x]
+    # The state is kept at the new load's first choice and its three first tries, and in the WARMUP
+    # choices before each exploration.
+    assert says.count(True) == 4 + 2 * rule.WARMUP, [i + 1 for i, x in enumerate(says) if x]
 
 
 def test_draft_length_follows_measured_rates():

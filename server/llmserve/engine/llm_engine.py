@@ -21,7 +21,7 @@ from llmserve.engine.output_processor import TextState, check_stop_token
 from llmserve.engine.request import FinishReason, Request
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
-from llmserve.engine.speculative import DraftLength, SpecStats, build_proposer
+from llmserve.engine.speculative import DraftLength, SpecStats, StepMeter, build_proposer
 from llmserve.engine.step_trace import StepTrace
 from llmserve.engine.structured import GrammarMatchers
 from llmserve.runners.base import ModelRunner, StepBatch, TokenLogprobs
@@ -119,10 +119,7 @@ class LLMEngine:
         self._left: list[str] = []  # req_ids that left since the last step (for the runner)
         self._inflight: _Launch | None = None  # launched, output not taken in
         self._last_done = 0.0  # when the last step's output was taken in
-        # A serial decoding step's measure (batch, k, seconds, tokens), held until the next step says
-        # whether it had to refill the overlap pipeline: that refill is part of the serial step's cost.
-        self._held: tuple[int, int, float, int] | None = None
-        self._carry = [0.0, 0]  # seconds and tokens of plain steps that belong to the next serial one
+        self._meter = StepMeter()  # what the draft-length rule is told of each step
         self._proposed = False  # the last step's requests may carry proposals (to clear)
         self._steps = self._prompt_tokens = self._gen_tokens = self._preemptions = 0
         self._step_time = self._schedule_time = self._execute_time = 0.0
@@ -234,7 +231,15 @@ class LLMEngine:
             keep = not spec or k > 0 or not self.proposer.per_step_state or self.draft_length.may_speculate_next(batch)
             step = StepBatch(sched.chunks, finished_req_ids=left, proposer_state=keep)
             launched = _Launch(sched, self.runner.submit(step), batch, k, t0, serial or not self.overlap)
-            launched.for_spec = spec and not k and keep and self.proposer.per_step_state
+            # A plain step that kept the proposer's state served speculation (StepMeter), unless it
+            # is the first at this load: plain decoding's yardstick.
+            launched.for_spec = (
+                spec
+                and not k
+                and keep
+                and self.proposer.per_step_state
+                and self.draft_length.rate(batch, 0) is not None
+            )
             self._steps += 1
         t1 = time.perf_counter()
         self._schedule_time += t1 - t0
@@ -301,43 +306,20 @@ class LLMEngine:
         self.scheduler.update(sched)
         done = time.perf_counter()
         self._output_time += done - t2
-        # An overlapped step launched after its predecessor was taken in (the first after a serial
-        # one) ran with nothing to overlap: its period is a serial step's, not what plain steps cost.
-        # It is what switching from a serial step back to overlapped ones costs, so it is charged to
-        # that serial step (measured with it as one), not to plain steps.
-        refill = not launch.serial and launch.t_launch > self._last_done
-        if self.proposer is not None:
-            self._measure(launch, result, done, refill)
+        if self.proposer is not None:  # speculation's measure of the step (StepMeter)
+            if all(c.num_tokens == c.num_sampled_rows for c in sched.chunks):  # decoding
+                # Launched after its predecessor was taken in (the first after a serial step), it
+                # ran with nothing to overlap: a refill.
+                refill = not launch.serial and launch.t_launch > self._last_done
+                period = done - (self._last_done or launch.t_launch)
+                tokens = sum(len(t) for t in result.token_ids)
+                self._meter.step(
+                    self.draft_length, launch.batch, launch.k, period, tokens, launch.serial, launch.for_spec, refill
+                )
+            else:
+                self._meter.other(self.draft_length)
         self._last_done = done
         return outputs
-
-    def _measure(self, launch: _Launch, result, done: float, refill: bool) -> None:
-        """Speculation's measure of a decoding step (a prompt chunk would skew it): the tokens it gave
-        over its period, from the previous step's completion to its own (the steady-state time per
-        step, with the caller's work between steps in it for serial and overlapped steps alike).
-        A serial step is measured with what switching to it and back costs: the plain steps before it
-        that served it (`for_spec`) and the refill after it."""
-        decoding = all(c.num_tokens == c.num_sampled_rows for c in launch.sched.chunks)
-        period = done - (self._last_done or launch.t_launch)
-        tokens = sum(len(t) for t in result.token_ids)
-        held, self._held = self._held, None
-        if held is not None and refill and decoding:
-            batch, k, seconds, got = held
-            self.draft_length.observe(batch, k, seconds + period, got + tokens)
-            return
-        if held is not None:
-            self.draft_length.observe(*held)
-        if not decoding or refill:
-            return
-        if launch.for_spec:
-            self._carry[0] += period
-            self._carry[1] += tokens
-        elif launch.serial:
-            (seconds, got), self._carry = self._carry, [0.0, 0]
-            self._held = (launch.batch, launch.k, period + seconds, tokens + got)
-        else:
-            self._carry = [0.0, 0]  # plain decoding went on: what came before served no serial step
-            self.draft_length.observe(launch.batch, launch.k, period, tokens)
 
     def _append(self, req: Request, tokens: list[int], lps: list | None, now: float) -> RequestOutput:
         """Take a request's new tokens in order, up to the first that ends it (stop token or string,

@@ -156,6 +156,58 @@ class SpecStats:
         return self._acc / self._tried
 
 
+class StepMeter:
+    """What the draft-length rule is told of each decoding step: its tokens over its period.
+
+    Switching between overlapped plain steps and a serial step (a verification step, or a step
+    sampling for a grammar) costs, and the switch is charged to the serial step, told to the rule as
+    one step with it: the plain steps before it that served it (`for_spec`: the one in flight when it
+    started, whose device time ran under the step before so that its period is only what was left
+    of it; those that kept a proposer's per-step state for it) and the first plain step after it,
+    which refilled the overlap pipeline (a serial step's cost, not what plain steps cost)."""
+
+    def __init__(self) -> None:
+        self._held: tuple[int, int, float, int] | None = None  # a serial step's, until the next says
+        self._carry = [0.0, 0]  # seconds and tokens of plain steps that belong to the next serial one
+
+    def step(
+        self,
+        rule: DraftLength,
+        batch: int,
+        k: int,
+        period: float,
+        tokens: int,
+        serial: bool,
+        for_spec: bool,
+        refill: bool,
+    ) -> None:
+        """A decoding step, told to `rule` (prompt chunks are not measured: they would skew the rates)."""
+        held, self._held = self._held, None
+        if held is not None and refill:
+            b, hk, seconds, got = held
+            rule.observe(b, hk, seconds + period, got + tokens)
+            return
+        if held is not None:
+            rule.observe(*held)
+        if refill:
+            return
+        if for_spec:
+            self._carry[0] += period
+            self._carry[1] += tokens
+        elif serial:
+            (seconds, got), self._carry = self._carry, [0.0, 0]
+            self._held = (batch, k, period + seconds, tokens + got)
+        else:
+            self._carry = [0.0, 0]  # plain decoding went on: what came before served no serial step
+            rule.observe(batch, k, period, tokens)
+
+    def other(self, rule: DraftLength) -> None:
+        """A step that was not decoding: a serial step held is told as it is."""
+        held, self._held = self._held, None
+        if held is not None:
+            rule.observe(*held)
+
+
 class DraftLength:
     """k per step: the draft length that gives the most tokens per second at the current load.
 
@@ -172,10 +224,11 @@ class DraftLength:
     plain step (its rate is the yardstick), and from time to time a choice runs the other option
     (plain steps while speculating, the model's k while not: `_explore`), so the measurements follow
     the load. An exploring run of plain steps is PLAIN_RUN long: its first step refills the
-    overlap pipeline (the engine does not measure it), the others measure what plain steps cost when
-    they overlap, which a lone plain step between verification steps never shows (it ran serially:
-    on a host-bound model, up to twice the overlapped step). Only decoding steps are measured (a
-    prompt chunk would skew them). So speculation stops where it does not pay: on a saturated GPU,
+    overlap pipeline and its last is in flight when the next verification step starts (both are
+    charged to verification steps: StepMeter), the others measure what plain steps cost when they
+    overlap, which a lone plain step between verification steps never shows (it ran serially: on a
+    host-bound model, up to twice the overlapped step). An exploration's cost is paid off before the
+    next (EXPLORE_SHARE: `_owed`). So speculation stops where it does not pay: on a saturated GPU,
     on a host-bound model, for requests whose proposals are rarely accepted."""
 
     OVERHEAD = 0.02
@@ -271,9 +324,6 @@ class DraftLength:
         if n < at:
             return best
         if n == at:
-            # The last exploration (and any choice since that ran slower than the best) may cost at
-            # most EXPLORE_SHARE of the time from its start to the next: a draft model that catches
-            # up over every token since it last ran costs more the longer plain decoding went on.
             owed = self._owed(b)
             if owed > 0:  # not yet: in about as many choices as the best k's steps take that long
                 step = self._seen.get((b, best), (0.0, 0.0))[0]
@@ -302,17 +352,15 @@ class DraftLength:
         """Whether a choice soon at this load may give k > 0 (called after `choose`): a load whose
         best k is above 0, or an exploring choice within the next WARMUP. When not, a step need not
         keep the proposer's per-step state (mtp: the module's K/V at its positions, so the WARMUP
-        steps before an exploring one refill the recent ones). Plain steps that measure plain
-        decoding keep none either (the engine counts a step that kept it as part of speculation's
-        cost, not as a plain step): the first at a new load, and those explored while speculating
-        (but the last). A wrong guess costs one step's proposals their state (weaker proposals)."""
+        steps before an exploring one refill the recent ones). Plain steps explored while speculating
+        keep none either (but the last): they measure plain decoding as it is, and the engine counts
+        a plain step that kept the state as part of speculation's cost, once plain decoding has a
+        rate at this load. A wrong guess costs one step's proposals their state (weaker proposals)."""
         if not self.adaptive:
             return True
         b = self._bucket(batch)
-        if self.rate(batch, 0) is None:
-            return False  # the yardstick: plain decoding as it is
-        if self._last_best.get(b) is None:
-            return True
+        if self.rate(batch, 0) is None or self._last_best.get(b) is None:
+            return True  # a new load: the model may say k > 0 next
         n, at = self._steps[b], self._explore_at.get(b, self.EXPLORE)
         if self._best_before.get(b) and at <= n < at + self.PLAIN_RUN - 1:
             return False  # plain steps explored while speculating measure plain decoding as it is
