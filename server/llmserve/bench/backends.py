@@ -88,6 +88,9 @@ class Backend:
     async def close(self) -> None:
         pass
 
+    def prepare(self, req: BenchRequest) -> None:
+        """Work on a request that can be done before it is sent (outside the measured time)."""
+
     async def send(self, req: BenchRequest, rid: str) -> RequestResult:
         raise NotImplementedError
 
@@ -216,6 +219,9 @@ class _OpenAIBackend(_HTTPBackend):
                 return data[0]["id"]
         except Exception:
             return "model"
+
+    def prepare(self, req: BenchRequest) -> None:
+        self.prompt_text(req)
 
     def prompt_text(self, req: BenchRequest) -> str:
         # Leave room for what the server adds (BOS, chat template) so its count is the one asked.

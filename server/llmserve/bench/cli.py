@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-from llmserve.bench.backends import BACKENDS, Backend, _OpenAIBackend
+from llmserve.bench.backends import BACKENDS, Backend
 from llmserve.bench.metrics import results_to_dicts, spec_summary, summarize
 from llmserve.bench.processes import ClientProcessError, ClientSpec, run_processes
 from llmserve.bench.report import format_table, plot_latencies, plot_sweep, save_json
@@ -157,9 +157,9 @@ async def _run_all(args: argparse.Namespace, backend: Backend, spec: ClientSpec 
         warm = await warmup(backend, requests, args.num_warmups)
         if warm:
             seen = await backend.counters(seen, _tokens(warm))
-        if procs is not None and isinstance(backend, _OpenAIBackend):
-            for req in requests:  # text prompts made once here, not in each client process's measured time
-                backend.prompt_text(req)
+        if procs is not None:  # e.g. text prompts: made once here, not in each client process's measured time
+            for req in requests:
+                backend.prepare(req)
         for conc in args.max_concurrency:
             desc, progress = f"{args.backend} c={conc or 'inf'}", not args.no_progress
             if procs is not None:

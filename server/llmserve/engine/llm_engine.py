@@ -233,13 +233,8 @@ class LLMEngine:
             launched = _Launch(sched, self.runner.submit(step), batch, k, t0, serial or not self.overlap)
             # A plain step that kept the proposer's state served speculation (StepMeter), unless it
             # is the first at this load: plain decoding's yardstick.
-            launched.for_spec = (
-                spec
-                and not k
-                and keep
-                and self.proposer.per_step_state
-                and self.draft_length.rate(batch, 0) is not None
-            )
+            served = spec and not k and keep and self.proposer.per_step_state
+            launched.for_spec = served and self.draft_length.rate(batch, 0) is not None
             self._steps += 1
         t1 = time.perf_counter()
         self._schedule_time += t1 - t0
