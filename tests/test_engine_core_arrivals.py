@@ -1,5 +1,5 @@
 """The engine core waits, while a step runs on the device, for the requests that replace those that
-just finished (engine_core.arrival_wait): so they join the next step, as in-process ones do.
+just finished (serving/arrival_wait.py): so they join the next step, as in-process ones do.
 
 A real engine (the torch runner on the CPU, overlapped steps) and a real ZMQ PAIR link; the test is
 the engine server's side of it."""
@@ -13,15 +13,37 @@ import zmq
 
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.serving.engine_core import ARRIVAL_WAIT_S, EngineCore, arrival_wait
+from llmserve.engine.step_time import StepTimes
+from llmserve.serving.arrival_wait import BUCKET_S, CAP_S, IDLE_SHARE, ArrivalWait
+from llmserve.serving.engine_core import EngineCore
 from llmserve.serving.ipc import dumps
 
 
-def test_the_wait_is_short_and_only_while_a_step_runs():
-    assert arrival_wait(0.080, finished=True, in_flight=True) == ARRIVAL_WAIT_S  # capped
-    assert arrival_wait(0.008, finished=True, in_flight=True) == pytest.approx(0.004)  # half a step
-    assert arrival_wait(0.040, finished=False, in_flight=True) == 0.0  # no one is about to come back
-    assert arrival_wait(0.040, finished=True, in_flight=False) == 0.0  # the device would idle meanwhile
+def test_the_free_wait_is_half_a_step_at_most_the_cap():
+    aw = ArrivalWait()
+    assert aw.free(1.0) == CAP_S  # capped
+    assert aw.free(0.008) == pytest.approx(0.004)  # half a step: the step in flight covers it
+
+
+def test_extending_needs_answering_clients_and_budget():
+    aw = ArrivalWait()
+    assert aw.may_extend(0.0)  # clients are taken to answer until seen otherwise
+    t = 100.0
+    for i in range(20):  # finishes nobody answers within CAP_S (an open-loop load)
+        aw.finished(1, t + i)
+    aw.arrived(t + 30)  # 10 s late: expires the last one, answers none
+    assert aw.answered < 0.5 and not aw.may_extend(0.0) and not aw.stats.delays
+    for i in range(40):  # closed loop: each finish answered 3 ms later
+        aw.finished(1, t + 40 + i)
+        aw.arrived(t + 40 + i + 0.003)
+    assert aw.may_extend(0.0) and aw.stats.delays[-1] == pytest.approx(0.003)
+    aw.charge(BUCKET_S)  # the device idled the whole budget away
+    assert not aw.may_extend(0.0)
+    aw.busy(1.0)  # a second of steps earns IDLE_SHARE of it back
+    assert aw.bucket == pytest.approx(IDLE_SHARE) and aw.may_extend(IDLE_SHARE / 2)
+    assert not aw.may_extend(IDLE_SHARE)
+    aw.busy(3600.0)
+    assert aw.bucket == BUCKET_S  # bounded: a long busy stretch buys no long idle burst
 
 
 @pytest.fixture
@@ -51,19 +73,62 @@ def test_it_takes_in_as_many_as_finished_then_stops_waiting(core):
     add(server, "a")
     add(server, "b")
     t = time.perf_counter()
-    c._await_successors(finished=2, wait=60.0)  # both are there: no need to wait the minute out
+    c._await_successors(finished=2, free=60.0)  # both are there: no need to wait the minute out
     assert time.perf_counter() - t < 30
     assert c.adds == 2 and c.engine.has_unfinished()
     add(server, "c")
-    c._await_successors(finished=1, wait=60.0)
+    c._await_successors(finished=1, free=60.0)
     assert c.adds == 3
 
 
 def test_it_stops_at_the_deadline_and_on_stop(core):
     c, server = core
     t = time.perf_counter()
-    c._await_successors(finished=3, wait=0.05)  # nobody comes
+    c._await_successors(finished=3, free=0.05)  # nobody comes
     assert c.adds == 0 and time.perf_counter() - t < 30
     server.send(dumps({"op": "stop"}))
-    c._await_successors(finished=3, wait=60.0)  # a stop ends the wait
+    c._await_successors(finished=3, free=60.0)  # a stop ends the wait
     assert c.stopping
+
+
+def test_past_the_free_part_the_idle_device_is_charged_to_the_budget(core):
+    c, server = core  # no step in flight: the device is idle from the start of the extension
+    t = time.perf_counter()
+    c._await_successors(finished=1, free=0.0)  # no free part; nobody comes
+    took = time.perf_counter() - t
+    stats = c.arrivals.stats
+    assert stats.extended == 1 and stats.by_arrivals == 0
+    assert stats.idle_s == pytest.approx(took, abs=0.02) and took <= CAP_S + 0.02
+    assert c.arrivals.bucket == pytest.approx(BUCKET_S - stats.idle_s)
+    c.arrivals.charge(c.arrivals.bucket)  # spent: the next wait ends with its free part
+    t = time.perf_counter()
+    c._await_successors(finished=1, free=0.0)
+    assert time.perf_counter() - t < 0.01 and stats.extended == 1
+
+
+def test_step_times_are_kept_by_size():
+    t = StepTimes()
+    assert t.expect(64) is None
+    t.observe(64, 0.010)
+    t.observe(2048 + 64, 0.066)
+    assert t.expect(100) == 0.010 and t.expect(2100) == 0.066  # same power-of-two class
+    assert t.expect(1) is None
+    t.observe(64, 0.020)
+    assert 0.010 < t.expect(64) < 0.020  # a decayed mean
+
+
+def test_the_step_in_flight_says_how_long_it_has_left(core):
+    c, server = core
+    eng = c.engine
+    assert eng.step_left() == 0.0  # nothing in flight: nothing to overlap
+    for i in range(3):
+        add(server, f"r{i}")
+    c._drain()
+    lefts = []
+    while eng.has_unfinished():
+        eng.step()
+        if eng.step_in_flight:
+            lefts.append(eng.step_left())
+    assert lefts[0] is None  # the prefill step's size had not been seen when it launched
+    seen = [x for x in lefts if x is not None]
+    assert seen and all(0.0 <= x < 5.0 for x in seen)

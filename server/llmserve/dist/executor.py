@@ -106,6 +106,9 @@ class TPExecutor(ModelRunner):
             self._fail_if_a_worker_died()
             raise
 
+    def done(self, handle: object) -> bool:
+        return self.runner.done(handle)
+
     def _fail_if_a_worker_died(self) -> None:
         """A collective fails at once when a rank's process is gone (gloo: connection reset): end the
         group as the monitor would a moment later, rather than raise a bare `std::exception`."""

@@ -22,6 +22,7 @@ from llmserve.engine.request import FinishReason, Request
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.speculative import DraftLength, SpecStats, StepMeter, build_proposer
+from llmserve.engine.step_time import StepTimes
 from llmserve.engine.step_trace import StepTrace
 from llmserve.engine.structured import GrammarMatchers
 from llmserve.runners.base import ModelRunner, StepBatch, TokenLogprobs
@@ -46,6 +47,8 @@ class _Launch:
     # Part of speculation's cost rather than a plain step: a plain step that kept a proposer's
     # per-step state (mtp's module ran in it, for a verification step soon).
     for_spec: bool = False
+    tokens: int = 0  # the tokens it computes
+    expect: float | None = None  # its expected device seconds (StepTimes)
 
 
 @dataclass
@@ -119,6 +122,9 @@ class LLMEngine:
         self._left: list[str] = []  # req_ids that left since the last step (for the runner)
         self._inflight: _Launch | None = None  # launched, output not taken in
         self._last_done = 0.0  # when the last step's output was taken in
+        self._times = StepTimes()  # device seconds per step, by size (the step in flight's time left)
+        self._device_done = 0.0  # when the device finished the last step taken in
+        self._launch_s = 0.0  # decayed host seconds from step() to a launched step
         self._meter = StepMeter()  # what the draft-length rule is told of each step
         self._proposed = False  # the last step's requests may carry proposals (to clear)
         self._steps = self._prompt_tokens = self._gen_tokens = self._preemptions = 0
@@ -190,6 +196,19 @@ class LLMEngine:
         """Whether a launched step's tokens have not been taken in yet (overlapped steps)."""
         return self._inflight is not None
 
+    def step_done(self) -> bool:
+        """Whether the device has finished the launched step (True when none is in flight)."""
+        return self._inflight is None or self.runner.done(self._inflight.handle)
+
+    def step_left(self) -> float | None:
+        """Expected device seconds left in the launched step, less the host time the next one takes
+        to launch: how long the host may do other work without the device waiting (0 when none is in
+        flight, None when no step of its size has been seen). It began when its predecessor ended."""
+        f = self._inflight
+        if f is None or f.expect is None:
+            return None if f is not None else 0.0
+        return max(0.0, f.expect - (time.perf_counter() - self._device_done) - self._launch_s)
+
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the step that completed.
 
@@ -231,6 +250,8 @@ class LLMEngine:
             keep = not spec or k > 0 or not self.proposer.per_step_state or self.draft_length.may_speculate_next(batch)
             step = StepBatch(sched.chunks, finished_req_ids=left, proposer_state=keep)
             launched = _Launch(sched, self.runner.submit(step), batch, k, t0, serial or not self.overlap)
+            launched.tokens = sched.num_tokens
+            launched.expect = self._times.expect(launched.tokens)
             # A plain step that kept the proposer's state served speculation (StepMeter), unless it
             # is the first at this load: plain decoding's yardstick.
             served = spec and not k and keep and self.proposer.per_step_state
@@ -238,6 +259,8 @@ class LLMEngine:
             self._steps += 1
         t1 = time.perf_counter()
         self._schedule_time += t1 - t0
+        if launched is not None:
+            self._launch_s += 0.3 * (t1 - t0 - self._launch_s)
         overlap = self.overlap and not serial
         done, self._inflight = (self._inflight, launched) if overlap else (launched, None)
         if done is not None:
@@ -276,6 +299,8 @@ class LLMEngine:
         t1 = time.perf_counter()
         result = self.runner.result(launch.handle)
         t2 = time.perf_counter()
+        self._device_done = t2
+        self._times.observe(launch.tokens, result.model_time)
         self._execute_time += t2 - t1
         self._model_time += result.model_time
         self._sample_time += result.sample_time

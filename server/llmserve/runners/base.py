@@ -155,6 +155,10 @@ class ModelRunner(abc.ABC):
     def result(self, handle: object) -> StepResult:
         return handle  # type: ignore[return-value]
 
+    def done(self, handle: object) -> bool:
+        """Whether a submitted step's device work has finished (`result` would not wait)."""
+        return True
+
     def shutdown(self) -> None:  # noqa: B027 - optional hook
         """Release device memory and helper threads."""
 

@@ -56,6 +56,7 @@ from llmserve.engine.llm_engine import DuplicateRequestError, LLMEngine
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.speculative import SpecStats
+from llmserve.serving.arrival_wait import CAP_S, POLL_S, ArrivalWait, WaitStats
 from llmserve.serving.ipc import dumps, endpoint, loads
 from llmserve.serving.process_exit import exit_now
 
@@ -63,23 +64,6 @@ log = logging.getLogger("llmserve.engine_core")
 
 IDLE_POLL_MS = 100
 CORE_START_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing CUDA graphs takes minutes
-# After a step whose outputs finished requests, while the next step runs on the device: how long the
-# loop may wait for the requests that replace them (at most this, and at most this share of a step:
-# of the recent steps' mean or the last step's time, whichever is shorter).
-ARRIVAL_WAIT_S = 0.025
-ARRIVAL_WAIT_SHARE = 0.5
-
-
-def arrival_wait(period: float, finished: bool, in_flight: bool) -> float:
-    """Seconds to wait for new requests before scheduling the next step. A client whose request just
-    ended often sends the next one at once; the round trip (the engine server, the adapter, the
-    client and back) takes a few ms, and a step scheduled before it arrives leaves it to the step
-    after: at a prefill queue that runs at capacity that is a step of TTFT for every request, never
-    made up. The wait costs no device time: it is spent while the step in flight runs (`period` is
-    the loop's recent time per step), and it ends once as many requests have come as just finished."""
-    if not (finished and in_flight):
-        return 0.0
-    return min(ARRIVAL_WAIT_S, ARRIVAL_WAIT_SHARE * period)
 
 
 class CoreLink:
@@ -151,6 +135,7 @@ class EngineCore:
         self.stopping = False
         self.adds = 0  # add messages taken in so far (the server's queue bound counts those in transit)
         self.spec = spec_counters(engine.spec_stats)  # as of the last step message (warm-up's are not sent)
+        self.arrivals = ArrivalWait()  # how long to wait for finished requests' successors
 
     def serve(self) -> None:
         eng = self.engine
@@ -165,6 +150,10 @@ class EngineCore:
             if busy and last is not None:
                 step_s = t - last
                 period = step_s if not period else 0.8 * period + 0.2 * step_s
+                self.arrivals.busy(step_s)
+            if last is not None and not busy and self.arrivals.stats.waits:  # a busy stretch ended
+                log.info("%s", self.arrivals.stats.summary())
+                self.arrivals.stats = WaitStats()
             last = t if busy else None
             if outs or took or eng.has_unfinished():  # every step reports: it is the server's sign of progress
                 bm, sch = eng.block_manager, eng.scheduler
@@ -175,18 +164,42 @@ class EngineCore:
                     msg["spec"], self.spec = spec_sum(now, self.spec, -1), now
                 self.sock.send(dumps(msg))
                 finished = sum(1 for o in outs if o.finished)
-                self._await_successors(finished, arrival_wait(min(period, step_s), finished > 0, eng.step_in_flight))
+                if finished:
+                    self.arrivals.finished(finished, time.perf_counter())
+                    if eng.step_in_flight:  # else the device would idle all the wait
+                        free = eng.step_left()  # None: no step of its size seen yet
+                        free = self.arrivals.free(min(period, step_s)) if free is None else min(CAP_S, free)
+                        self._await_successors(finished, free)
             elif os.getppid() != parent:  # the server is gone (belt and braces beside PDEATHSIG)
                 break
 
-    def _await_successors(self, finished: int, wait: float) -> None:
-        """Take in new requests for up to `wait` seconds, or until as many have come as just finished."""
-        deadline, adds = time.perf_counter() + wait, self.adds
+    def _await_successors(self, finished: int, free: float) -> None:
+        """Take in new requests until as many have come as just finished, for as long as the policy
+        allows (arrival_wait.py): `free` seconds (the step in flight covers them), then, polling
+        whether the device still has work, its extension out of the idle budget."""
+        aw, stats, adds = self.arrivals, self.arrivals.stats, self.adds
+        t0 = time.perf_counter()
+        free_end, cap_end = t0 + free, t0 + CAP_S
+        idle_from = None  # when the device was first seen with nothing to run
+        stats.waits += 1
+        extended = False
         while self.adds - adds < finished and not self.stopping:
-            left = deadline - time.perf_counter()
-            if left <= 0 or not self.sock.poll(left * 1e3):
-                return
-            self._drain()
+            now = time.perf_counter()
+            if now < free_end:
+                timeout = free_end - now
+            else:
+                if idle_from is None and self.engine.step_done():
+                    idle_from = now
+                if now >= cap_end or not aw.may_extend(now - idle_from if idle_from is not None else 0.0):
+                    break
+                extended = True
+                timeout = min(POLL_S, cap_end - now)
+            if self.sock.poll(timeout * 1e3):
+                self._drain()
+        if idle_from is not None:
+            aw.charge(time.perf_counter() - idle_from)
+        stats.extended += extended
+        stats.by_arrivals += self.adds - adds >= finished
 
     def _drain(self) -> bool:
         eng = self.engine
@@ -200,6 +213,7 @@ class EngineCore:
             op = msg["op"]
             if op == "add":
                 self.adds += 1
+                self.arrivals.arrived(time.perf_counter())
                 try:
                     eng.add_request(msg["req_id"], msg["ids"], SamplingParams(**msg["params"]), msg["arrival"])
                 except ValueError as e:

@@ -116,7 +116,7 @@ def finals_first(items: list[dict]) -> list[dict]:
 
     Sending a response waits for tritonserver to take it (~0.15 ms); at 64 streams a stub that is a
     few ms. A client whose request ended sends its next one on the final response, and the engine
-    waits a little for such successors (engine_core.arrival_wait): the finals should not queue
+    waits a little for such successors (serving/arrival_wait.py): the finals should not queue
     behind other streams' tokens."""
     ending = {i.get("req_id") for i in items if i.get("is_end") or i.get("error_code")}
     if not ending or len(ending) == len(items):

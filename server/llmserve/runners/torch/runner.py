@@ -407,6 +407,9 @@ class TorchRunner(ModelRunner):
                 r += n_rows
         return StepResult(tokens, lps, model_time=model_time, prompt_logprobs=plp)
 
+    def done(self, handle: _Launched) -> bool:
+        return handle.end is None or handle.end.query()
+
     def execute(self, batch: StepBatch) -> StepResult:
         return self.result(self.submit(batch))
 
