@@ -36,12 +36,12 @@ BUCKET_S = 0.1
 POLL_S = 0.001
 ANSWERED_MIN = 0.5
 ANSWERED_DECAY = 0.05  # weight of each finish in `answered`
-DELAYS_KEPT = 4096  # successor delays kept for the shutdown log
+DELAYS_KEPT = 4096  # successor delays kept for that log
 
 
 @dataclass
 class WaitStats:
-    """What the waits did, for the core's log at shutdown."""
+    """What the waits did, for the core's log at the end of each busy stretch."""
 
     waits: int = 0
     by_arrivals: int = 0  # ended because as many had come as finished
