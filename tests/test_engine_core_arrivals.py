@@ -32,6 +32,9 @@ def test_extending_needs_answering_clients_and_budget():
     for i in range(20):  # finishes nobody answers within CAP_S (an open-loop load)
         aw.finished(1, t + i)
     aw.arrived(t + 30)  # 10 s late: expires the last one, answers none
+    aw.finished(1, t + 31)
+    aw.arrived(t + 30.5)  # came before that finish: not its successor
+    assert len(aw.unanswered) == 1
     assert aw.answered < 0.5 and not aw.may_extend(0.0) and not aw.stats.delays
     for i in range(40):  # closed loop: each finish answered 3 ms later
         aw.finished(1, t + 40 + i)
@@ -63,38 +66,56 @@ def core(tiny_hf_dir):
     engine.shutdown()
 
 
-def add(sock, req_id: str) -> None:
+def add(sock, req_id: str, arrival: float | None = None) -> None:
+    """An add as the engine server sends it: `arrival` is when the server took it in (monotonic)."""
     params = {"max_tokens": 4, "temperature": 0.0}
-    sock.send(dumps({"op": "add", "req_id": req_id, "ids": [3, 5, 7], "params": params, "arrival": time.time()}))
+    arrival = time.monotonic() if arrival is None else arrival
+    sock.send(dumps({"op": "add", "req_id": req_id, "ids": [3, 5, 7], "params": params, "arrival": arrival}))
 
 
 def test_it_takes_in_as_many_as_finished_then_stops_waiting(core):
     c, server = core
+    since = time.monotonic()
     add(server, "a")
     add(server, "b")
     t = time.perf_counter()
-    c._await_successors(finished=2, free=60.0)  # both are there: no need to wait the minute out
+    c._await_successors(finished=2, free=60.0, since=since)  # both are there: no need to wait the minute out
     assert time.perf_counter() - t < 30
     assert c.adds == 2 and c.engine.has_unfinished()
+    since = time.monotonic()
     add(server, "c")
-    c._await_successors(finished=1, free=60.0)
+    c._await_successors(finished=1, free=60.0, since=since)
     assert c.adds == 3
+
+
+def test_requests_that_came_before_the_finishes_do_not_end_the_wait(core):
+    c, server = core
+    since = time.monotonic()
+    add(server, "late", arrival=since - 0.030)  # reached the server while the step ran: no successor
+    t = time.perf_counter()
+    c._await_successors(finished=1, free=0.3, since=since)  # so the wait goes on for the successor
+    assert time.perf_counter() - t >= 0.25 and c.adds == 1 and c.arrivals.stats.by_arrivals == 0
+    since = time.monotonic()
+    add(server, "old", arrival=since - 0.030)
+    add(server, "successor")
+    c._await_successors(finished=1, free=60.0, since=since)
+    assert c.adds == 3 and c.arrivals.stats.by_arrivals == 1
 
 
 def test_it_stops_at_the_deadline_and_on_stop(core):
     c, server = core
     t = time.perf_counter()
-    c._await_successors(finished=3, free=0.05)  # nobody comes
+    c._await_successors(finished=3, free=0.05, since=time.monotonic())  # nobody comes
     assert c.adds == 0 and time.perf_counter() - t < 30
     server.send(dumps({"op": "stop"}))
-    c._await_successors(finished=3, free=60.0)  # a stop ends the wait
+    c._await_successors(finished=3, free=60.0, since=time.monotonic())  # a stop ends the wait
     assert c.stopping
 
 
 def test_past_the_free_part_the_idle_device_is_charged_to_the_budget(core):
     c, server = core  # no step in flight: the device is idle from the start of the extension
     t = time.perf_counter()
-    c._await_successors(finished=1, free=0.0)  # no free part; nobody comes
+    c._await_successors(finished=1, free=0.0, since=time.monotonic())  # no free part; nobody comes
     took = time.perf_counter() - t
     stats = c.arrivals.stats
     assert stats.extended == 1 and stats.by_arrivals == 0
@@ -102,7 +123,7 @@ def test_past_the_free_part_the_idle_device_is_charged_to_the_budget(core):
     assert c.arrivals.bucket == pytest.approx(BUCKET_S - stats.idle_s)
     c.arrivals.charge(c.arrivals.bucket)  # spent: the next wait ends with its free part
     t = time.perf_counter()
-    c._await_successors(finished=1, free=0.0)
+    c._await_successors(finished=1, free=0.0, since=time.monotonic())
     assert time.perf_counter() - t < 0.01 and stats.extended == 1
 
 

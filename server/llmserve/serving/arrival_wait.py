@@ -75,11 +75,12 @@ class ArrivalWait:
         self._expire(now)
         self.unanswered.extend([now] * n)
 
-    def arrived(self, now: float) -> None:
-        """A new request came in: it answers the oldest finish still waiting for one."""
-        self._expire(now)
-        if self.unanswered:
-            self.stats.delays.append(now - self.unanswered.popleft())
+    def arrived(self, when: float) -> None:
+        """A new request reached the server at `when` (the clock of `finished`): it answers the
+        oldest finish still waiting for one, if it came after it."""
+        self._expire(when)
+        if self.unanswered and self.unanswered[0] <= when:
+            self.stats.delays.append(when - self.unanswered.popleft())
             self.answered += ANSWERED_DECAY * (1.0 - self.answered)
 
     def _expire(self, now: float) -> None:

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -136,6 +137,9 @@ class EngineCore:
         self.adds = 0  # add messages taken in so far (the server's queue bound counts those in transit)
         self.spec = spec_counters(engine.spec_stats)  # as of the last step message (warm-up's are not sent)
         self.arrivals = ArrivalWait()  # how long to wait for finished requests' successors
+        # During a wait: when its finishes left, and the adds since that reached the server after it
+        # (an add that came earlier, taken in only now, is no successor of these finishes).
+        self._since, self._fresh = math.inf, 0
 
     def serve(self) -> None:
         eng = self.engine
@@ -165,25 +169,29 @@ class EngineCore:
                 self.sock.send(dumps(msg))
                 finished = sum(1 for o in outs if o.finished)
                 if finished:
-                    self.arrivals.finished(finished, time.perf_counter())
+                    sent = time.monotonic()  # the clock of the server's `arrival` stamps
+                    self.arrivals.finished(finished, sent)
                     if eng.step_in_flight:  # else the device would idle all the wait
                         free = eng.step_left()  # None: no step of its size seen yet
                         free = self.arrivals.free(min(period, step_s)) if free is None else min(CAP_S, free)
-                        self._await_successors(finished, free)
+                        self._await_successors(finished, free, sent)
             elif os.getppid() != parent:  # the server is gone (belt and braces beside PDEATHSIG)
                 break
 
-    def _await_successors(self, finished: int, free: float) -> None:
-        """Take in new requests until as many have come as just finished, for as long as the policy
-        allows (arrival_wait.py): `free` seconds (the step in flight covers them), then, polling
-        whether the device still has work, its extension out of the idle budget."""
-        aw, stats, adds = self.arrivals, self.arrivals.stats, self.adds
+    def _await_successors(self, finished: int, free: float, since: float) -> None:
+        """Take in new requests until as many have come as just finished (at `since`, monotonic), for
+        as long as the policy allows (arrival_wait.py): `free` seconds (the step in flight covers
+        them), then, polling whether the device still has work, its extension out of the idle budget.
+        Only requests that reached the server after the finishes count: requests that arrived while
+        the step before ran and are taken in only now must not end the wait for the successors."""
+        aw, stats = self.arrivals, self.arrivals.stats
+        self._since, self._fresh = since, 0
         t0 = time.perf_counter()
         free_end, cap_end = t0 + free, t0 + CAP_S
         idle_from = None  # when the device was first seen with nothing to run
         stats.waits += 1
         extended = False
-        while self.adds - adds < finished and not self.stopping:
+        while self._fresh < finished and not self.stopping:
             now = time.perf_counter()
             if now < free_end:
                 timeout = free_end - now
@@ -199,7 +207,8 @@ class EngineCore:
         if idle_from is not None:
             aw.charge(time.perf_counter() - idle_from)
         stats.extended += extended
-        stats.by_arrivals += self.adds - adds >= finished
+        stats.by_arrivals += self._fresh >= finished
+        self._since = math.inf
 
     def _drain(self) -> bool:
         eng = self.engine
@@ -213,7 +222,8 @@ class EngineCore:
             op = msg["op"]
             if op == "add":
                 self.adds += 1
-                self.arrivals.arrived(time.perf_counter())
+                self.arrivals.arrived(msg["arrival"])
+                self._fresh += msg["arrival"] >= self._since
                 try:
                     eng.add_request(msg["req_id"], msg["ids"], SamplingParams(**msg["params"]), msg["arrival"])
                 except ValueError as e:
