@@ -252,10 +252,14 @@ class _Sender:
     def __init__(self) -> None:
         self.got: list[tuple[dict | None, int]] = []
         self.done = threading.Event()
+        self.delay = 0.0  # seconds a send takes (tritonserver taking the response)
+        self.sent_at = 0.0
 
     def send(self, response=None, flags: int = 0) -> None:
+        time.sleep(self.delay)
         msg = None if response is None else json.loads(response.output_tensors[0].as_numpy()[0])
         self.got.append((msg, flags))
+        self.sent_at = time.monotonic()
         if flags:
             self.done.set()
 
@@ -387,6 +391,29 @@ def test_adapter_numbers_and_merges_a_backlog(wired):
     engine.send({"op": "out", "items": [item(ra, 1, end=True)]})
     assert c.sender.done.wait(5)
     assert [m["send_idx"] for m, _ in c.sender.got] in ([0, 1], [0])
+
+
+def test_requests_that_come_during_a_round_go_on_within_it(wired):
+    """A client sends its next request on the final response, which goes first in a round: that
+    request must reach the engine while the round's other responses are still being sent."""
+    model, engine = wired
+    reqs = _submit(model, engine, 32)
+    for r in reqs:
+        r.sender.delay = 0.005  # 32 responses: a round of ~160 ms
+    items = [{"req_id": _rid(r), "token": "x", "token_ids": [1], "is_end": 0, "error_code": 0} for r in reqs]
+    engine.send({"op": "out", "items": items})
+    deadline = time.monotonic() + 5
+    while not reqs[0].sender.got:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    model.execute([_Request({"req_id": "next", "text": "hi"})])  # from another thread, as Triton's
+    engine.wait_for(lambda got: any(m["op"] == "add" and m["req_id"] == "next" for m in got))
+    forwarded = time.monotonic()
+    assert all(r.sender.done.wait(0) is False for r in reqs)
+    while not reqs[-1].sender.got:
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    assert forwarded < reqs[-1].sender.sent_at  # not after the round
 
 
 def test_adapter_fails_requests_on_a_stalled_step(wired):
