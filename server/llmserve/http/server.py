@@ -1,4 +1,4 @@
-"""The push-mode HTTP front end process: uvicorn with PUSH_MODE_HTTP_WORKERS workers.
+"""The push-mode HTTP front end process: uvicorn with PUSH_MODE_HTTP_WORKERS workers (workers.py).
 
 `python -m llmserve.http` (or `python -m llmserve.http.server`, which the
 supervisor started by start_server.sh runs) listens on LLMSERVE_HOST
@@ -53,17 +53,21 @@ def main(argv: list[str] | None = None) -> int:
     os.environ[PARENT_ENV] = str(os.getpid())  # the workers inherit it: see die_with_parent
     from llmserve.http.limits import LimitedHttpToolsProtocol
 
-    uvicorn.run(
-        "llmserve.http.app:create_app",
+    settings = dict(
+        app="llmserve.http.app:create_app",
         factory=True,
         host=args.host,
         port=cfg.service_http_port,
-        workers=cfg.push_mode_http_workers,
         log_level=args.log_level,
         timeout_graceful_shutdown=5,
         access_log=False,
         http=LimitedHttpToolsProtocol,  # caps the request head (431); the app caps the body (413)
     )
+    if cfg.push_mode_http_workers > 1:  # each worker its own socket: a burst spreads over them (workers.py)
+        from llmserve.http.workers import run_workers
+
+        return run_workers(cfg.push_mode_http_workers, **settings)
+    uvicorn.run(**settings)
     return 0
 
 
