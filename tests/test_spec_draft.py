@@ -183,12 +183,13 @@ def test_greedy_output_with_a_draft_model_is_the_output_without_it(tiny_hf_dir, 
     # and the draft's own cache (40 blocks, about one request's) too small too: it evicts idle
     # requests' KV (recomputed when they come back) and skips a request it cannot fit.
     small = dict(block_bs=1, batch_size=8)
-    long_reqs = [(rid, ids, dataclasses.replace(p, max_tokens=40, ignore_eos=True)) for rid, ids, p in reqs[:8]]
+    # 60 tokens each: 8 requests need 2-4x the 64 blocks (at 40, one seed in ~20 preempted nothing).
+    long_reqs = [(rid, ids, dataclasses.replace(p, max_tokens=60, ignore_eos=True)) for rid, ids, p in reqs[:8]]
     plain = run(make_engine(target, **small), long_reqs, arrive_every=1)
     engine = make_engine(target, draft_dir, 3, **small)
     engine.proposer.block_manager = BlockManager(40, engine.runner.block_size, enable_prefix_caching=False)
     assert_same_greedy(run(engine, long_reqs, arrive_every=1), plain, long_reqs, target, f"seed {seed}")
-    assert engine.stats().preemptions > 0 and engine.stats().spec_draft_tokens > 0
+    assert engine.stats().preemptions > 0 and engine.stats().spec_draft_tokens > 0, f"seed {seed}"
 
 
 def test_a_draft_that_is_the_target_is_accepted(tiny_hf_dir):

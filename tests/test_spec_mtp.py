@@ -242,7 +242,7 @@ def test_preemption_with_mtp():
     plain = run(make_engine(str(DEMO_HF_DIR), **small), reqs, arrive_every=1)
     engine = make_engine(str(DEMO_HF_DIR), 3, **small)
     assert run(engine, reqs, arrive_every=1) == plain, f"seed {seed}"
-    assert engine.stats().preemptions > 0 and engine.stats().spec_accepted_tokens > 0
+    assert engine.stats().preemptions > 0 and engine.stats().spec_accepted_tokens > 0, f"seed {seed}"
 
 
 def test_abort_during_an_mtp_verification_step_frees_every_block():

@@ -163,7 +163,7 @@ def test_preemption_with_speculation(models, kind):
     plain = run(plain_engine, reqs, arrive_every=1)
     engine = make_engine(models, kind, 3, **small)
     assert run(engine, reqs, arrive_every=1) == plain, f"seed {seed}"
-    assert engine.stats().preemptions > 0 and engine.stats().spec_accepted_tokens > 0
+    assert engine.stats().preemptions > 0 and engine.stats().spec_accepted_tokens > 0, f"seed {seed}"
 
 
 def test_abort_during_a_verification_step_frees_every_block(models):
