@@ -123,8 +123,6 @@ class LLMEngine:
         self._inflight: _Launch | None = None  # launched, output not taken in
         self._last_done = 0.0  # when the last step's output was taken in
         self._times = StepTimes()  # device seconds per step, by size (the step in flight's time left)
-        self._device_done = 0.0  # when the device finished the last step taken in
-        self._launch_s = 0.0  # decayed host seconds from step() to a launched step
         self._meter = StepMeter()  # what the draft-length rule is told of each step
         self._proposed = False  # the last step's requests may carry proposals (to clear)
         self._steps = self._prompt_tokens = self._gen_tokens = self._preemptions = 0
@@ -207,7 +205,7 @@ class LLMEngine:
         f = self._inflight
         if f is None or f.expect is None:
             return None if f is not None else 0.0
-        return max(0.0, f.expect - (time.perf_counter() - self._device_done) - self._launch_s)
+        return self._times.left(f.expect)
 
     def step(self) -> list[RequestOutput]:
         """Schedule and launch one step; return the outputs of the step that completed.
@@ -260,7 +258,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         self._schedule_time += t1 - t0
         if launched is not None:
-            self._launch_s += 0.3 * (t1 - t0 - self._launch_s)
+            self._times.launched(t1 - t0)
         overlap = self.overlap and not serial
         done, self._inflight = (self._inflight, launched) if overlap else (launched, None)
         if done is not None:
@@ -299,8 +297,7 @@ class LLMEngine:
         t1 = time.perf_counter()
         result = self.runner.result(launch.handle)
         t2 = time.perf_counter()
-        self._device_done = t2
-        self._times.observe(launch.tokens, result.model_time)
+        self._times.observe(launch.tokens, result.model_time, done_at=t2)
         self._execute_time += t2 - t1
         self._model_time += result.model_time
         self._sample_time += result.sample_time

@@ -21,6 +21,8 @@ import socket
 import sys
 import time
 
+from llmserve.serving.ports import bind_error, family
+
 log = logging.getLogger("uvicorn.error")
 
 POLL_S = 0.5  # how often the parent looks for dead workers
@@ -29,23 +31,11 @@ STOP_GRACE_S = 5.0  # beyond uvicorn's own graceful shutdown, before a worker is
 
 def reuse_port_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to (host, port) that other SO_REUSEPORT sockets may share."""
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock = socket.socket(family(host), socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
     sock.bind((host, port))
     return sock
-
-
-def port_is_free(host: str, port: int) -> bool:
-    """Nothing listens there, SO_REUSEPORT or not (workers of an earlier front end still stopping
-    would otherwise share the port with ours)."""
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
 
 
 def _worker(kwargs: dict) -> None:
@@ -67,7 +57,9 @@ def run_workers(workers: int, **uvicorn_kwargs) -> int:
     from uvicorn.config import STARTUP_FAILURE
 
     config = uvicorn.Config(**uvicorn_kwargs)  # configures logging, as uvicorn.run does
-    if not port_is_free(config.host, config.port):
+    # Nothing may listen there, SO_REUSEPORT or not: workers of an earlier front end still stopping
+    # would otherwise share the port with ours.
+    if bind_error(config.host, config.port) is not None:
         log.error("cannot listen on %s:%d: the address is in use", config.host, config.port)
         return 1
     stop: list[int] = []

@@ -30,6 +30,7 @@ from pathlib import Path
 
 from llmserve.config import Config, ConfigError
 from llmserve.dist.layout import layout
+from llmserve.serving.ports import bind_error
 from llmserve.serving.supervisor import http_frontend_enabled
 from llmserve.triton.launcher import shm_prefix
 
@@ -67,21 +68,18 @@ def port_problems(cfg: Config) -> list[str]:
             problems.append(f"{name}={port} is the same port as {seen[port]}")
             continue
         seen[port] = name
-        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                s.bind((host, port))
-            except socket.gaierror as e:
+        e = bind_error(host, port)
+        if isinstance(e, socket.gaierror):
+            problems.append(f"LLMSERVE_HOST={host!r} is not an address of this machine ({e.strerror})")
+            break  # every other port would say the same
+        if e is not None:
+            if e.errno == errno.EADDRINUSE:
+                problems.append(f"port {port} ({name}) is already in use on {host}: {e.strerror}")
+            elif e.errno == errno.EADDRNOTAVAIL and host == cfg.host:
                 problems.append(f"LLMSERVE_HOST={host!r} is not an address of this machine ({e.strerror})")
-                break  # every other port would say the same
-            except OSError as e:
-                if e.errno == errno.EADDRINUSE:
-                    problems.append(f"port {port} ({name}) is already in use on {host}: {e.strerror}")
-                elif e.errno == errno.EADDRNOTAVAIL and host == cfg.host:
-                    problems.append(f"LLMSERVE_HOST={host!r} is not an address of this machine ({e.strerror})")
-                    break
-                else:
-                    problems.append(f"port {port} ({name}) cannot be bound on {host}: {e.strerror}")
+                break
+            else:
+                problems.append(f"port {port} ({name}) cannot be bound on {host}: {e.strerror}")
     return problems
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import socket
 import subprocess
 import time
 import urllib.error
@@ -17,6 +16,7 @@ import urllib.request
 from pathlib import Path
 
 from llmserve.serving.control import RUN_FILE
+from llmserve.serving.ports import bind_error
 
 ROOT = Path(__file__).resolve().parents[3]
 PORT_VARS = (
@@ -48,13 +48,7 @@ def free_ports(n: int) -> list[int]:
 
 
 def port_is_free(port: int) -> bool:
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+    return bind_error("127.0.0.1", port) is None
 
 
 class ServingStack:

@@ -284,7 +284,7 @@ class TritonPythonModel:
             except zmq.Again:
                 break
 
-    def _deliver(self, items: list[dict], forward=None) -> None:
+    def _deliver(self, items: list[dict], forward) -> None:
         """Send the engine's items, merged per request (see `coalesce`), each numbered (send_idx).
         `forward()`, every FORWARD_EVERY responses: execute()'s requests that came meanwhile go on to
         the engine at once, not after the round (~0.2 ms a response: at 64 streams a round is ~14 ms,
@@ -309,7 +309,7 @@ class TritonPythonModel:
                 if not final:
                     idx[rid] = item["send_idx"] + 1
             self._respond(sender, item, final)
-            if forward is not None and n % FORWARD_EVERY == 0:
+            if n % FORWARD_EVERY == 0:
                 forward()
         self.io_stats["responses"] += len(out)
 
