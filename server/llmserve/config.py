@@ -204,6 +204,13 @@ class Config:
         _positive_int,
         doc="prompt tokens (and proposals) one step may compute (chunked prefill); each decoding request's token comes on top",
     )
+    prefill_catch_up: bool = _setting(
+        "PREFILL_CATCH_UP",
+        True,
+        _bool,
+        doc="a step that left prompt budget unused with nothing waiting lends it to the next (at most "
+        "MAX_PREFILL_TOKENS more), so requests that arrive just after a step was scheduled do not queue a step behind",
+    )
     long_prefill_tokens: int = _setting(
         "LONG_PREFILL_TOKENS",
         0,
@@ -436,9 +443,10 @@ class Config:
 
     @property
     def max_step_tokens(self) -> int:
-        """Tokens of the largest step: the prompt budget plus one token per running request
-        (decoding requests' tokens are not counted against MAX_PREFILL_TOKENS)."""
-        return self.max_num_batched_tokens + self.batch_size
+        """Tokens of the largest step: the prompt budget (twice it with catch-up: a step may use what
+        the one before left unused) plus one token per running request (decoding requests' tokens
+        are not counted against MAX_PREFILL_TOKENS)."""
+        return (1 + self.prefill_catch_up) * self.max_num_batched_tokens + self.batch_size
 
     @property
     def max_blocks_per_seq(self) -> int:

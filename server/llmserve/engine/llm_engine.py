@@ -104,6 +104,7 @@ class LLMEngine:
             block_ratio=config.block_ratio,
             max_model_len=self.max_model_len,
             long_prefill_tokens=config.long_prefill_tokens or runner.default_long_prefill_tokens,
+            catch_up=config.prefill_catch_up,
         )
         # Speculative decoding (SPECULATE_METHOD): proposals verified in the next step.
         self.proposer = build_proposer(config, runner)
