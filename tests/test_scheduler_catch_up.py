@@ -25,8 +25,11 @@ def _run(catch_up: bool, late_step: int | None, steps: int = 60, clients: int = 
     late: list[Request] = []
 
     def add(step: int) -> Request:
-        req = Request(f"r{step}_{len(added)}", list(range(len(added) * 10, len(added) * 10 + PROMPT)),
-                      SamplingParams(max_tokens=MAX_TOKENS))
+        req = Request(
+            f"r{step}_{len(added)}",
+            list(range(len(added) * 10, len(added) * 10 + PROMPT)),
+            SamplingParams(max_tokens=MAX_TOKENS),
+        )
         added[req.req_id] = step
         s.add(req)
         return req
