@@ -23,7 +23,8 @@
 # Workload: --workload random --input-len 512 --output-len 256 --range-ratio 0, greedy; RUNS lists
 # "prompts:concurrency[,concurrency]" sets (default "256:64,256 1024:256"; SMALL "64:16,64 128:64").
 # Other settings (env): PHASES (stack,engine), BACKENDS, INPUT_LEN, OUTPUT_LEN, NUM_WARMUPS (1),
-# CLIENT_PROCESSES (1: `llmserve bench --client-processes` of the served backends),
+# CLIENT_PROCESSES (1: `llmserve bench --client-processes` of the served backends), BENCH_ARGS (more
+# `llmserve bench` arguments for every bench, e.g. --save-requests),
 # BATCH_SIZE, PUSH_MODE_HTTP_WORKERS, MODEL_DIR (serve this model, build none), DEADLINE_S (540: no
 # step runs past it, so that a 600 s limit leaves time to stop the stack and write the files),
 # PY (python3), WHL (.whl), SITE (/tmp/site), STUB_SITE (/tmp/stub-site), SKIP_INSTALL=1,
@@ -249,7 +250,7 @@ bench() {  # bench BACKEND PROMPTS CONCURRENCY-LIST
   step "bench $name" 30 "$PY" -m llmserve.cli bench --backend "$b" "${extra[@]}" --workload random \
     --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --range-ratio 0 --temperature 0 --seed "$SEED" \
     --num-prompts "$p" --max-concurrency "$c" --num-warmups "$NUM_WARMUPS" --timeout 300 \
-    --no-plots --no-progress --out-dir "$RES" --result-name "$name" >"$WORK/bench-logs/$name.log" 2>&1
+    --no-plots --no-progress --out-dir "$RES" --result-name "$name" ${BENCH_ARGS:-} >"$WORK/bench-logs/$name.log" 2>&1
   rc=$?
   grep -E "^\[.*(END|SKIP)" "$WORK/bench-logs/$name.log"
   if [[ -f "$RES/$name.json" ]]; then

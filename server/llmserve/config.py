@@ -204,12 +204,12 @@ class Config:
         _positive_int,
         doc="prompt tokens (and proposals) one step may compute (chunked prefill); each decoding request's token comes on top",
     )
-    prefill_catch_up: bool = _setting(
+    prefill_catch_up: int = _setting(
         "PREFILL_CATCH_UP",
-        True,
-        _bool,
-        doc="a step that left prompt budget unused with nothing waiting lends it to the next (at most "
-        "MAX_PREFILL_TOKENS more), so requests that arrive just after a step was scheduled do not queue a step behind",
+        2,
+        int,
+        doc="prompt budget that steps leave unused while nothing waits is saved, up to this many MAX_PREFILL_TOKENS, "
+        "for the next steps, so requests that arrive just after a step was scheduled do not queue behind it (0: off)",
     )
     long_prefill_tokens: int = _setting(
         "LONG_PREFILL_TOKENS",
@@ -375,6 +375,8 @@ class Config:
             errors.append(f"DIST_TIMEOUT={self.dist_timeout}: must be a positive number of seconds")
         if self.check_health_interval <= 0:
             errors.append(f"CHECK_HEALTH_INTERVAL={self.check_health_interval}: must be positive")
+        if self.prefill_catch_up < 0:
+            errors.append(f"PREFILL_CATCH_UP={self.prefill_catch_up}: must be >= 0 (0: off)")
         if self.long_prefill_tokens < 0:
             errors.append(f"LONG_PREFILL_TOKENS={self.long_prefill_tokens}: must be >= 0 (0: the runner's default)")
         if not 1 <= self.speculate_max_draft_tokens <= 8:
@@ -443,9 +445,9 @@ class Config:
 
     @property
     def max_step_tokens(self) -> int:
-        """Tokens of the largest step: the prompt budget (twice it with catch-up: a step may use what
-        the one before left unused) plus one token per running request (decoding requests' tokens
-        are not counted against MAX_PREFILL_TOKENS)."""
+        """Tokens of the largest step: the prompt budget and what catch-up saved of earlier steps'
+        (PREFILL_CATCH_UP budgets at most), plus one token per running request (decoding requests'
+        tokens are not counted against MAX_PREFILL_TOKENS)."""
         return (1 + self.prefill_catch_up) * self.max_num_batched_tokens + self.batch_size
 
     @property

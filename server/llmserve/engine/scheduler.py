@@ -16,17 +16,18 @@ full batch does not shrink the prefill a step can do. Counted against the
 budget, a batch of 256 decodes left 1,792 of 2,048 tokens for prompts, so
 prompts were admitted more slowly than the requests they replaced finished
 (the prefill queue overloaded, and TTFT grew by hundreds of ms at c=256). A
-step holds at most MAX_PREFILL_TOKENS + BATCH_SIZE tokens, or 2 x MAX_PREFILL_TOKENS + BATCH_SIZE
-with catch-up (Config.max_step_tokens).
+step holds at most MAX_PREFILL_TOKENS + BATCH_SIZE tokens, and catch-up's saved budget (below).
 
-Catch-up (PREFILL_CATCH_UP): a step that left prompt budget unused with nothing waiting lends it to
-the next step (at most one budget more). Requests that arrive just after a step was scheduled (a
-served client's next request travels the server and back first) then join the next step beside those
-that arrive on time, instead of queueing one step behind them; where prompts arrive as fast as a
-step's budget takes them (fixed-length work at full concurrency), such a queue would otherwise never
-shrink, and every later request would wait one step more. A lightly used step is what a late arrival
-leaves behind, so the lent budget replaces prefill that was not done: the average stays within the
-budget. One request's chunk is still at most LONG_PREFILL_TOKENS.
+Catch-up (PREFILL_CATCH_UP = k): prompt budget that steps leave unused while nothing waits is saved
+for later steps, up to k budgets. Requests that arrive just after a step was scheduled (a served
+client's next request travels the server and back first) then join the next step beside those that
+arrive on time, instead of queueing behind them; where prompts arrive as fast as a step's budget
+takes them (fixed-length work at full concurrency), such a queue would not shrink until the light
+steps it left behind came round again, a request's lifetime later, and every request until then
+would wait a step more. Late arrivals leave light steps behind them, so the saved budget replaces
+prefill that was not done: over any run of steps, prompt tokens stay within k budgets of the
+budget's rate. A step holds at most (1 + k) x MAX_PREFILL_TOKENS + BATCH_SIZE tokens
+(Config.max_step_tokens); one request's chunk is still at most LONG_PREFILL_TOKENS.
 
 A scheduled chunk counts as computed at once (`num_computed_tokens` moves when
 it is scheduled, and a sampling chunk adds one pending token), so the next
@@ -75,7 +76,7 @@ class Scheduler:
         block_ratio: float = 1.0,
         max_model_len: int = 1 << 62,
         long_prefill_tokens: int = 0,
-        catch_up: bool = False,
+        catch_up: int = 0,
     ) -> None:
         self.bm = block_manager
         self.max_num_seqs = max_num_seqs
@@ -85,8 +86,8 @@ class Scheduler:
         # Most prompt tokens one request computes in a step (0: the whole budget): keeps steps short
         # beside running streams, and a long prompt from outlasting the engine's hang timeout.
         self.long_prefill_tokens = long_prefill_tokens or max_num_batched_tokens
-        self.catch_up = catch_up
-        self.lent = 0  # prompt budget the last step left unused with nothing waiting (catch-up)
+        self.max_saved = catch_up * max_num_batched_tokens
+        self.saved = 0  # prompt budget that steps left unused while nothing waited (catch-up)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -108,7 +109,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.max_num_batched_tokens + self.lent
+        budget = self.max_num_batched_tokens + self.saved
 
         i = 0
         while i < len(self.running):
@@ -162,8 +163,8 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(self._chunk(req, n))
             budget -= n
-        # Lent only where nothing waits: a queue held back by blocks or seats would not use it.
-        self.lent = min(self.max_num_batched_tokens, max(0, budget)) if self.catch_up and not self.waiting else 0
+        # Saved only while nothing waits: a queue held back by blocks or seats would not use it.
+        self.saved = 0 if self.waiting else min(self.max_saved, max(0, budget))
         return out
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
