@@ -49,6 +49,17 @@ def test_extending_needs_answering_clients_and_budget():
     assert aw.bucket == BUCKET_S  # bounded: a long busy stretch buys no long idle burst
 
 
+def test_a_new_busy_stretch_takes_its_clients_to_answer():
+    """A load's last finishes go unanswered because it ended: the next load starts trusted."""
+    aw = ArrivalWait()
+    for i in range(40):  # the last wave of a benchmark: nobody answers
+        aw.finished(1, 100.0 + i * 0.01)
+    aw.arrived(101.0)
+    assert not aw.may_extend(0.0)
+    aw.rest()
+    assert aw.may_extend(0.0) and not aw.unanswered
+
+
 @pytest.fixture
 def core(tiny_hf_dir):
     from llmserve.runners.torch.runner import TorchRunner
@@ -153,3 +164,23 @@ def test_the_step_in_flight_says_how_long_it_has_left(core):
     assert lefts[0] is None  # the prefill step's size had not been seen when it launched
     seen = [x for x in lefts if x is not None]
     assert seen and all(0.0 <= x < 5.0 for x in seen)
+
+
+def test_the_core_forgets_unanswered_finishes_when_it_runs_out_of_work(core):
+    import threading
+
+    from llmserve.serving.ipc import loads
+
+    c, server = core
+    c.arrivals.answered = 0.0  # an earlier load's last wave went unanswered
+    add(server, "a")
+    loop = threading.Thread(target=c.serve, daemon=True)
+    loop.start()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # until "a" finished
+        if server.poll(1000) and any(o[2] for o in loads(server.recv()).get("outs", [])):  # a finish reason
+            break
+    time.sleep(0.2)  # the loop finds no work left
+    server.send(dumps({"op": "stop"}))
+    loop.join(30)
+    assert not loop.is_alive() and c.arrivals.answered == 1.0

@@ -67,6 +67,16 @@ class ArrivalWait:
         self.bucket = BUCKET_S
         self.stats = WaitStats()
 
+    def rest(self) -> None:
+        """The engine ran out of work: a busy stretch ended. Its last finishes go unanswered because
+        its load ended, not because its clients do not answer (a benchmark's last wave, a batch
+        job's end): without forgetting them, the next load's first finishes (the first of its
+        waves, where the step in flight is a short decode step and the free part alone misses the
+        successors) would get no extension. Each stretch's clients are taken to answer until seen
+        otherwise."""
+        self.unanswered.clear()
+        self.answered = 1.0
+
     def busy(self, seconds: float) -> None:
         """The core ran steps for `seconds`: the idle budget grows."""
         self.bucket = min(BUCKET_S, self.bucket + IDLE_SHARE * seconds)

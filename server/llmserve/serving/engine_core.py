@@ -155,9 +155,11 @@ class EngineCore:
                 step_s = t - last
                 period = step_s if not period else 0.8 * period + 0.2 * step_s
                 self.arrivals.busy(step_s)
-            if last is not None and not busy and self.arrivals.stats.waits:  # a busy stretch ended
-                log.info("%s", self.arrivals.stats.summary())
-                self.arrivals.stats = WaitStats()
+            if last is not None and not busy:  # a busy stretch ended
+                if self.arrivals.stats.waits:
+                    log.info("%s", self.arrivals.stats.summary())
+                    self.arrivals.stats = WaitStats()
+                self.arrivals.rest()
             last = t if busy else None
             if outs or took or eng.has_unfinished():  # every step reports: it is the server's sign of progress
                 bm, sch = eng.block_manager, eng.scheduler
