@@ -9,7 +9,7 @@ from llmserve.config import Config
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.request import Request
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.engine.scheduler import Scheduler
+from llmserve.engine.scheduler import RECENT_STEPS, Scheduler
 
 PROMPT, MAX_TOKENS, BUDGET = 8, 8, 16  # two prompts a step; each request lives MAX_TOKENS steps
 CLIENTS = 2 * MAX_TOKENS  # as many requests finish each step as a step's budget prefills
@@ -88,10 +88,19 @@ def test_groups_that_pile_up_need_the_budget_of_as_many_steps():
     assert set(_between(_run(catch_up=2, late=late), 13)) == {0}
 
 
+def _ended(s: Scheduler) -> None:
+    """A request runs and ends: catch-up may save budget for its successor."""
+    req = Request("x", [1, 2, 3, 4], SamplingParams(max_tokens=1))
+    s.add(req)
+    s.schedule()
+    s.remove(req)
+
+
 def test_saved_budget_is_capped_and_one_chunk_stays_capped():
     bm = BlockManager(1024, 4)
     s = Scheduler(bm, max_num_seqs=16, max_num_batched_tokens=BUDGET, catch_up=2, long_prefill_tokens=12)
-    for _ in range(4):  # idle steps: at most two budgets are saved
+    _ended(s)
+    for _ in range(4):  # light steps after it: at most two budgets are saved
         assert s.schedule().num_tokens == 0
     assert s.saved == 2 * BUDGET
     for i in range(5):
@@ -100,6 +109,22 @@ def test_saved_budget_is_capped_and_one_chunk_stays_capped():
     assert [c.num_tokens for c in out.chunks] == [12, 12, 12, 12]  # 3 x BUDGET, each chunk <= 12
     assert s.saved == 0
     assert s.schedule().num_tokens == BUDGET  # back to one budget
+
+
+def test_budget_is_saved_only_for_the_successors_of_requests_that_just_ended():
+    """Light steps with nothing ending (a wave still decoding) save nothing, so a burst after them
+    is taken at the budget's rate; what was saved after an end is gone RECENT_STEPS steps later."""
+    s = Scheduler(BlockManager(1024, 4), max_num_seqs=16, max_num_batched_tokens=BUDGET, catch_up=2)
+    for _ in range(4):
+        s.schedule()
+    assert s.saved == 0
+    _ended(s)
+    s.schedule()
+    s.schedule()
+    assert s.saved == 2 * BUDGET  # a budget a light step, up to two
+    for _ in range(RECENT_STEPS - 1):
+        s.schedule()
+    assert s.saved == 0
 
 
 def test_nothing_is_saved_while_requests_wait_for_blocks():

@@ -18,16 +18,19 @@ prompts were admitted more slowly than the requests they replaced finished
 (the prefill queue overloaded, and TTFT grew by hundreds of ms at c=256). A
 step holds at most MAX_PREFILL_TOKENS + BATCH_SIZE tokens, and catch-up's saved budget (below).
 
-Catch-up (PREFILL_CATCH_UP = k): prompt budget that steps leave unused while nothing waits is saved
-for later steps, up to k budgets. Requests that arrive just after a step was scheduled (a served
-client's next request travels the server and back first) then join the next step beside those that
-arrive on time, instead of queueing behind them; where prompts arrive as fast as a step's budget
-takes them (fixed-length work at full concurrency), such a queue would not shrink until the light
-steps it left behind came round again, a request's lifetime later, and every request until then
-would wait a step more. Late arrivals leave light steps behind them, so the saved budget replaces
-prefill that was not done: over any run of steps, prompt tokens stay within k budgets of the
-budget's rate. A step holds at most (1 + k) x MAX_PREFILL_TOKENS + BATCH_SIZE tokens
-(Config.max_step_tokens); one request's chunk is still at most LONG_PREFILL_TOKENS.
+Catch-up (PREFILL_CATCH_UP = k): prompt budget that steps leave unused while nothing waits, within
+RECENT_STEPS steps of a request's end, is saved for later steps, up to k budgets. A finished request's
+successor (a served client's next request) travels the server and back first; when it comes just
+after a step was scheduled, that step runs light and the request joins a later one. Where prompts
+arrive as fast as a step's budget takes them (fixed-length work at full concurrency), that later
+step's budget is already full with the requests that came on time, so the late ones would queue one
+step behind them until the light steps came round again, a request's lifetime later, and every
+request until then would wait a step more. The saved budget takes them beside the on-time ones. It
+is saved only after requests ended, for their successors: light steps of a load with nothing ending
+(a wave still decoding) save nothing, so a burst that follows them is taken at the budget's rate.
+Over any run of steps prompt tokens stay within k budgets of that rate: a step holds at most
+(1 + k) x MAX_PREFILL_TOKENS + BATCH_SIZE tokens (Config.max_step_tokens), and one request's chunk
+at most LONG_PREFILL_TOKENS.
 
 A scheduled chunk counts as computed at once (`num_computed_tokens` moves when
 it is scheduled, and a sampling chunk adds one pending token), so the next
@@ -55,6 +58,8 @@ from dataclasses import dataclass, field
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.request import Request, RequestStatus
 from llmserve.runners.base import SeqChunk
+
+RECENT_STEPS = 8  # catch-up saves budget for this many steps after a request ended
 
 
 @dataclass
@@ -88,6 +93,7 @@ class Scheduler:
         self.long_prefill_tokens = long_prefill_tokens or max_num_batched_tokens
         self.max_saved = catch_up * max_num_batched_tokens
         self.saved = 0  # prompt budget that steps left unused while nothing waited (catch-up)
+        self.since_end = RECENT_STEPS  # steps scheduled since a running request ended
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
 
@@ -102,6 +108,7 @@ class Scheduler:
         """Take a request out (finished or aborted) and free its blocks."""
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
+            self.since_end = 0
         elif req in self.waiting:
             self.waiting.remove(req)
         self.bm.free(req)
@@ -163,8 +170,11 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(self._chunk(req, n))
             budget -= n
-        # Saved only while nothing waits: a queue held back by blocks or seats would not use it.
-        self.saved = 0 if self.waiting else min(self.max_saved, max(0, budget))
+        # Saved only while nothing waits (a queue held back by blocks or seats would not use it), and
+        # for the successors of requests that just ended.
+        self.since_end += 1
+        recent = self.since_end <= RECENT_STEPS
+        self.saved = min(self.max_saved, max(0, budget)) if recent and not self.waiting else 0
         return out
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
