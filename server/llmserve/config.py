@@ -186,6 +186,12 @@ class Config:
     dist_timeout: float = _setting(
         "DIST_TIMEOUT", 300.0, _float, doc="seconds the ranks wait for each other at start (then: an error naming who)"
     )
+    dist_heartbeat_timeout: float = _setting(
+        "DIST_HEARTBEAT_TIMEOUT",
+        10.0,
+        _float,
+        doc="seconds a tensor-parallel rank may go without a heartbeat before its group is taken for hung and restarted",
+    )
     # limits and scheduling
     max_seq_len: int = _setting("MAX_SEQ_LEN", 8192, _positive_int, doc="reject longer inputs")
     max_dec_len: int = _setting("MAX_DEC_LEN", 1024, _positive_int, doc="reject larger max/min_dec_len")
@@ -371,6 +377,10 @@ class Config:
                 errors.append(f"POD_0_IP={self.pod_0_ip!r}: must be the first of POD_IPS ({ips[0]})")
         if self.node_rank is not None and self.node_rank >= self.mp_nnode:
             errors.append(f"NODE_RANK={self.node_rank}: must be below MP_NNODE={self.mp_nnode}")
+        if not self.dist_heartbeat_timeout > 1.0:
+            errors.append(
+                f"DIST_HEARTBEAT_TIMEOUT={self.dist_heartbeat_timeout}: must be more than 1 s (ranks beat every 0.5 s)"
+            )
         if not self.dist_timeout > 0:
             errors.append(f"DIST_TIMEOUT={self.dist_timeout}: must be a positive number of seconds")
         if self.check_health_interval <= 0:

@@ -8,7 +8,7 @@ of an HF checkpoint (torch runner), or its graph `rank_<r>` of a Paddle export (
 on CPU over gloo).
 
 Rank 0 starts the workers of its own node (worker.py; they die with it) and watches every rank:
-a worker process that exits, or a rank whose heartbeat stops (HEARTBEAT_TIMEOUT_S), ends this whole
+a worker process that exits, or a rank whose heartbeat stops (DIST_HEARTBEAT_TIMEOUT), ends this whole
 process at once. The engine server then fails the requests in flight, readiness goes false, and the
 supervisor restarts the group: workers on other nodes see rank 0's heartbeat stop, exit, and their
 node's launcher (node.py) starts them again to meet the new rank 0.
@@ -40,7 +40,6 @@ from .workers import Workers
 log = logging.getLogger(__name__)
 
 HEARTBEAT_S = 0.5
-HEARTBEAT_TIMEOUT_S = 10.0  # a rank silent this long is hung or gone
 EXIT_CODE = 75  # this process ends itself: a rank of its group failed
 
 
@@ -164,8 +163,10 @@ class _Channels:
         self.peers = [got[r] for r in sorted(got)]
 
 
-def _monitor(lay: Layout, hb: zmq.Socket, peers_by_rank: dict[bytes, int], workers: Workers, stop) -> None:
-    """Heartbeats both ways; any rank gone or silent ends this process (module doc)."""
+def _monitor(
+    lay: Layout, hb: zmq.Socket, peers_by_rank: dict[bytes, int], workers: Workers, stop, timeout: float
+) -> None:
+    """Heartbeats both ways; any rank gone or silent for `timeout` s ends this process (module doc)."""
     last = {r: time.monotonic() for r in range(1, lay.world)}
     while not stop.is_set():
         while hb.poll(0):
@@ -184,9 +185,9 @@ def _monitor(lay: Layout, hb: zmq.Socket, peers_by_rank: dict[bytes, int], worke
         if dead is not None:
             why = f"{lay.where(dead[0])} exited with code {dead[1]}"
         else:
-            silent = [r for r, t in last.items() if now - t > HEARTBEAT_TIMEOUT_S]
+            silent = [r for r, t in last.items() if now - t > timeout]
             if silent:
-                why = f"no heartbeat for {HEARTBEAT_TIMEOUT_S:.0f} s from {', '.join(map(lay.where, silent))}"
+                why = f"no heartbeat for {timeout:g} s from {', '.join(map(lay.where, silent))}"
         if why and not stop.is_set():
             _fail(workers, why)
         stop.wait(HEARTBEAT_S / 2)
@@ -228,7 +229,8 @@ def start_executor(model_dir: str, config: Config) -> TPExecutor:
                 peer, rank = ch.hb_sock.recv_multipart()
                 by_rank[peer] = int(rank)
             check()
-        threading.Thread(target=_monitor, args=(lay, ch.hb_sock, by_rank, workers, stop), daemon=True).start()
+        monitor_args = (lay, ch.hb_sock, by_rank, workers, stop, config.dist_heartbeat_timeout)
+        threading.Thread(target=_monitor, args=monitor_args, daemon=True).start()
         log.info("tensor parallel: %d ranks on %d node(s) met at %s:%d", lay.world, lay.nodes, lay.master, lay.port)
         runner = model.runner(lay, 0, tp, store, check)
     except BaseException:

@@ -25,7 +25,7 @@ from llmserve.engine.loader import resolve_model_dir
 from llmserve.serving.engine_core import _die_with_parent
 from llmserve.serving.process_exit import exit_now
 
-from .executor import HEARTBEAT_S, HEARTBEAT_TIMEOUT_S, RankModel, threads_per_rank
+from .executor import HEARTBEAT_S, RankModel, threads_per_rank
 from .group import join
 from .layout import layout
 from .step_message import StepDecoder
@@ -33,7 +33,7 @@ from .step_message import StepDecoder
 log = logging.getLogger("llmserve.worker")
 
 
-def _heartbeat(address: str, rank: int, ctx: zmq.Context) -> None:
+def _heartbeat(address: str, rank: int, ctx: zmq.Context, timeout: float) -> None:
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(address)
@@ -45,8 +45,8 @@ def _heartbeat(address: str, rank: int, ctx: zmq.Context) -> None:
                 sock.recv()
             last = time.monotonic()
         sock.send(b"hb")
-        if time.monotonic() - last > HEARTBEAT_TIMEOUT_S:
-            log.error("rank %d: no heartbeat from rank 0 for %.0f s; exiting", rank, HEARTBEAT_TIMEOUT_S)
+        if time.monotonic() - last > timeout:
+            log.error("rank %d: no heartbeat from rank 0 for %g s; exiting", rank, timeout)
             os._exit(1)
 
 
@@ -70,7 +70,7 @@ def main() -> None:
     steps.connect(store.get("steps").decode())
     steps.send_multipart([b"hello", str(rank).encode()])
     hb_addr = store.get("heartbeat").decode()
-    threading.Thread(target=_heartbeat, args=(hb_addr, rank, ctx), daemon=True).start()
+    threading.Thread(target=_heartbeat, args=(hb_addr, rank, ctx, config.dist_heartbeat_timeout), daemon=True).start()
     runner = model.runner(lay, rank, tp, store)
     log.info("rank %d ready: %d KV blocks", rank, runner.num_kv_blocks)
     decoder = StepDecoder()
