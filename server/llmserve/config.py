@@ -214,8 +214,9 @@ class Config:
         "PREFILL_CATCH_UP",
         2,
         int,
-        doc="prompt budget that steps leave unused while nothing waits is saved, up to this many MAX_PREFILL_TOKENS, "
-        "for the next steps, so requests that arrive just after a step was scheduled do not queue behind it (0: off)",
+        doc="prompt budget that steps leave unused while nothing waits, in the 8 steps after a request ended, is saved "
+        "for later steps, up to this many MAX_PREFILL_TOKENS, so successors that arrive just after a step was scheduled "
+        "do not queue behind it (0: off)",
     )
     long_prefill_tokens: int = _setting(
         "LONG_PREFILL_TOKENS",
