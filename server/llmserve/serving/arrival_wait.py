@@ -63,19 +63,21 @@ class ArrivalWait:
 
     def __init__(self) -> None:
         self.unanswered: deque[float] = deque()  # finish times not yet followed by an arrival
-        self.answered = 1.0  # until seen otherwise, clients are taken to answer
         self.bucket = BUCKET_S
         self.stats = WaitStats()
+        self.rest()
 
-    def rest(self) -> None:
-        """The engine ran out of work: a busy stretch ended. Its last finishes go unanswered because
-        its load ended, not because its clients do not answer (a benchmark's last wave, a batch
-        job's end): without forgetting them, the next load's first finishes (the first of its
-        waves, where the step in flight is a short decode step and the free part alone misses the
-        successors) would get no extension. Each stretch's clients are taken to answer until seen
-        otherwise."""
+    def rest(self) -> WaitStats:
+        """The engine ran out of work: a busy stretch ended; returns what its waits did. Its last
+        finishes go unanswered because its load ended, not because its clients do not answer (a
+        benchmark's last wave, a batch job's end): without forgetting them, the next load's first
+        finishes (the first of its waves, where the step in flight is a short decode step and the
+        free part alone misses the successors) would get no extension. Each stretch's clients are
+        taken to answer until seen otherwise."""
         self.unanswered.clear()
         self.answered = 1.0
+        stats, self.stats = self.stats, WaitStats()
+        return stats
 
     def busy(self, seconds: float) -> None:
         """The core ran steps for `seconds`: the idle budget grows."""

@@ -57,7 +57,7 @@ from llmserve.engine.llm_engine import DuplicateRequestError, LLMEngine
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.speculative import SpecStats
-from llmserve.serving.arrival_wait import CAP_S, POLL_S, ArrivalWait, WaitStats
+from llmserve.serving.arrival_wait import CAP_S, POLL_S, ArrivalWait
 from llmserve.serving.ipc import dumps, endpoint, loads
 from llmserve.serving.process_exit import exit_now
 
@@ -156,10 +156,9 @@ class EngineCore:
                 period = step_s if not period else 0.8 * period + 0.2 * step_s
                 self.arrivals.busy(step_s)
             if last is not None and not busy:  # a busy stretch ended
-                if self.arrivals.stats.waits:
-                    log.info("%s", self.arrivals.stats.summary())
-                    self.arrivals.stats = WaitStats()
-                self.arrivals.rest()
+                stretch = self.arrivals.rest()
+                if stretch.waits:
+                    log.info("%s", stretch.summary())
             last = t if busy else None
             if outs or took or eng.has_unfinished():  # every step reports: it is the server's sign of progress
                 bm, sch = eng.block_manager, eng.scheduler
