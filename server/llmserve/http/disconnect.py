@@ -1,6 +1,6 @@
 """Stop work for a client that hung up.
 
-Streaming responses need nothing here: Starlette cancels the body iterator
+Streaming responses need nothing here: StreamResponse (streaming.py) cancels the body iterator
 when the client disconnects, and closing it cancels the gRPC streams. A
 non-streaming handler only awaits a result, so it races that against the
 ASGI `http.disconnect` message and cancels the work when the client leaves.

@@ -14,10 +14,11 @@ import json
 from collections.abc import AsyncIterator
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from llmserve.http.disconnect import until_disconnected
 from llmserve.http.errors import ApiError, native_error, status_of
+from llmserve.http.streaming import StreamResponse
 from llmserve.http.triton_client import Backend
 from llmserve.protocol import native
 
@@ -49,7 +50,7 @@ async def handle_native(request: Request, body: dict, backend: Backend) -> Respo
         await gen.aclose()
         return JSONResponse(first, status_code=status_of(first["error_code"]))
     if req.stream:
-        return StreamingResponse(_ndjson(first, gen), media_type=NDJSON)
+        return StreamResponse(_ndjson(first, gen), media_type=NDJSON)
     result = await until_disconnected(request, _collect(first, gen))
     if result is None:  # the client left; nobody reads this
         return Response(status_code=499)

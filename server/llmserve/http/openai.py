@@ -20,12 +20,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from llmserve.config import Config
 from llmserve.http.disconnect import until_disconnected
 from llmserve.http.errors import ApiError, openai_error, status_of
 from llmserve.http.fanout import fanout
+from llmserve.http.streaming import StreamResponse
 from llmserve.http.triton_client import Backend
 from llmserve.protocol import native, tool_calls
 from llmserve.protocol.openai import (
@@ -311,7 +312,7 @@ async def _handle(request: Request, req, backend: Backend, config: Config) -> Re
         status, body = call.error(first[1])
         return JSONResponse(body, status_code=status)
     if req.stream:
-        return StreamingResponse(_stream(call, first, merged), media_type=SSE, headers={"Cache-Control": "no-cache"})
+        return StreamResponse(_stream(call, first, merged), media_type=SSE, headers={"Cache-Control": "no-cache"})
     out = await until_disconnected(request, _collect(call, first, merged))
     if out is None:
         return Response(status_code=499)

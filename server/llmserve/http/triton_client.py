@@ -1,32 +1,53 @@
-"""The front end's only way to the engine: one Triton gRPC stream per native request.
+"""The front end's only way to the engine: one long-lived Triton gRPC stream per worker.
 
-`TritonBackend.stream(body)` sends the native JSON body as `IN` on a fresh
-bidirectional stream of model `model` and yields each `OUT` JSON object until
-the one with `is_end` (or an error). Closing the generator early (client
-disconnect) cancels the gRPC call; Triton marks the request cancelled and the
-adapter aborts it in the engine, which frees its KV blocks.
+`TritonBackend.stream(body)` sends the native JSON body as `IN` and yields each
+`OUT` JSON object until the one with `is_end` (or an error). All of a worker's
+requests share one bidirectional `ModelStreamInfer` call (`_Mux`): a request is
+one message written on it, under a Triton request id of its own, and a reader
+task routes the responses to their requests by that id. A call per request cost
+the worker ~1.5 ms of CPU to set up (its own HTTP/2 stream, a task writing the
+one message, its deadline), which a burst of 64 requests paid before any first
+token could leave (docs/benchmarks.md).
+
+Closing a stream early (client disconnect, the guard deadline) cannot cancel a
+call that others share, so an abort goes on the same call: a message with the
+`llmserve_abort` parameter and the request's `req_id`. The adapter that receives
+it has the engine abort the request, which frees its KV blocks, and the engine
+ends it at the adapter that owns it (Triton spreads a stream's requests over the
+model's instances). Should the abort overtake its request (another instance),
+the request's next response sends it again.
 
 Transport failures never escape: they become a native error item (503 when
-Triton cannot be reached), so every caller handles one shape.
+Triton cannot be reached), so every caller handles one shape. A call that fails
+ends every request on it; the next request opens a new one.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
+import os
+import struct
+import uuid
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-import numpy as np
+import grpc
+from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from llmserve.protocol.native import error_response
+from llmserve.triton.channel import channel_args
 from llmserve.triton.launcher import MODEL_NAME
 
 log = logging.getLogger("llmserve.http")
 
-STREAM_SLACK_S = 30.0  # the engine enforces `timeout`; this only guards against a stuck stream
+STREAM_SLACK_S = 30.0  # the engine enforces `timeout`; this only guards against a stuck request
 MAX_STREAM_S = 7 * 24 * 3600.0
+ABORT_PARAM = "llmserve_abort"  # a request with it set aborts the req_id its IN names (triton/model.py)
+_LEN = struct.Struct("<I")  # a BYTES element's length prefix
+_TIMED_OUT: dict = {}  # the guard's mark in a request's queue
 
 
 class Backend(Protocol):
@@ -37,73 +58,162 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
+def _request(model: str, tid: str, raw: bytes, abort: bool = False) -> service_pb2.ModelInferRequest:
+    req = service_pb2.ModelInferRequest(model_name=model, id=tid)
+    req.inputs.add(name="IN", datatype="BYTES", shape=[1])
+    req.raw_input_contents.append(_LEN.pack(len(raw)) + raw)
+    if abort:
+        req.parameters[ABORT_PARAM].bool_param = True
+    return req
+
+
+def _transport_error(e: BaseException) -> tuple[int, str]:
+    code = getattr(e, "code", lambda: None)()
+    name = getattr(code, "name", "")
+    status = 503 if name in ("UNAVAILABLE", "") else (408 if name == "DEADLINE_EXCEEDED" else 500)
+    details = e.details() if hasattr(e, "details") else str(e)
+    return status, f"cannot reach the inference server ({name or type(e).__name__}): {details}"
+
+
+class _Mux:
+    """One ModelStreamInfer call and its reader and writer tasks; requests routed by Triton request id."""
+
+    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub, model: str) -> None:
+        self.model = model
+        self.call = stub.ModelStreamInfer()
+        self.routes: dict[str, asyncio.Queue] = {}  # tid -> its request's items
+        self.abandoned: dict[str, str | None] = {}  # tid -> req_id to abort again (None: sent twice) until its final
+        self.outbox: asyncio.Queue = asyncio.Queue()
+        self.ids = itertools.count()
+        self.prefix = f"{os.getpid()}-{uuid.uuid4().hex[:6]}-"
+        self.dead = False
+        self.tasks = [asyncio.create_task(self._write()), asyncio.create_task(self._read())]
+
+    def open(self, raw: bytes) -> tuple[str, asyncio.Queue]:
+        tid = self.prefix + str(next(self.ids))
+        q: asyncio.Queue = asyncio.Queue()
+        self.routes[tid] = q
+        self.outbox.put_nowait(_request(self.model, tid, raw))
+        return tid, q
+
+    def leave(self, tid: str, req_id: str) -> None:
+        """The request's reader is gone: if its last item has not come, the engine must drop it."""
+        if self.routes.pop(tid, None) is not None and not self.dead:
+            self.abandoned[tid] = req_id
+            self._abort(req_id)
+
+    def _abort(self, req_id: str) -> None:
+        tid = self.prefix + "abort-" + str(next(self.ids))
+        raw = json.dumps({"req_id": req_id}, ensure_ascii=False).encode()
+        self.outbox.put_nowait(_request(self.model, tid, raw, abort=True))
+
+    async def _write(self) -> None:
+        try:
+            while True:
+                await self.call.write(await self.outbox.get())
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the call failed: the reader sees it too
+            log.debug("Triton stream write failed: %s", e)
+
+    async def _read(self) -> None:
+        failure: tuple[int, str] = (500, "Triton closed the stream before the last response")
+        try:
+            while True:
+                resp = await self.call.read()
+                if resp is grpc.aio.EOF:
+                    break
+                self._route(resp)
+        except asyncio.CancelledError:
+            failure = (503, "the server is shutting down")
+            raise
+        except Exception as e:  # grpc.aio.AioRpcError and friends
+            failure = _transport_error(e)
+            log.warning("Triton stream failed: %s", failure[1])
+        finally:
+            self.dead = True
+            self.tasks[0].cancel()
+            routes, self.routes = self.routes, {}
+            self.abandoned.clear()
+            for q in routes.values():
+                q.put_nowait(error_response(None, *failure))
+
+    def _route(self, resp) -> None:
+        res = resp.infer_response
+        tid = res.id
+        if resp.error_message:
+            item = error_response(None, 500, f"Triton: {resp.error_message}")
+        elif not res.raw_output_contents:  # an empty final response (a cancelled request's)
+            return
+        else:
+            item = json.loads(res.raw_output_contents[0][_LEN.size :])
+        final = bool(item.get("is_end") or item.get("error_code"))
+        q = self.routes.pop(tid, None) if final else self.routes.get(tid)
+        if q is not None:
+            q.put_nowait(item)
+            return
+        if tid in self.abandoned:  # a request whose reader left
+            if final:
+                del self.abandoned[tid]
+            elif (req_id := self.abandoned[tid]) is not None:  # its abort may have come before it
+                self.abandoned[tid] = None
+                self._abort(req_id)
+
+    async def close(self) -> None:
+        self.call.cancel()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+
+
 class TritonBackend:
-    """Triton gRPC (tritonclient.grpc.aio), created inside the worker's event loop."""
+    """Triton gRPC (grpc.aio), created inside the worker's event loop."""
 
     def __init__(self, url: str, model: str = MODEL_NAME) -> None:
-        import tritonclient.grpc.aio as grpcclient
-
-        from llmserve.triton.channel import channel_args
-
-        self._grpc = grpcclient
         self.url = url
         self.model = model
-        self.client = grpcclient.InferenceServerClient(url, channel_args=channel_args())
+        self.channel = grpc.aio.insecure_channel(url, options=channel_args())
+        self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
+        self._mux: _Mux | None = None
 
     async def ready(self) -> bool:
         try:
-            return bool(await self.client.is_model_ready(self.model))
+            return bool((await self.stub.ModelReady(service_pb2.ModelReadyRequest(name=self.model))).ready)
         except Exception:
             return False
 
     async def close(self) -> None:
-        await self.client.close()
+        if self._mux is not None:
+            await self._mux.close()
+        await self.channel.close()
+
+    def _stream_mux(self) -> _Mux:
+        if self._mux is None or self._mux.dead:
+            self._mux = _Mux(self.stub, self.model)
+        return self._mux
 
     async def stream(self, body: dict) -> AsyncIterator[dict]:
         req_id = body.get("req_id")
+        if not req_id:  # an abort must name it
+            req_id = uuid.uuid4().hex
+            body = {**body, "req_id": req_id}
         raw = json.dumps(body, ensure_ascii=False).encode()
-        inp = self._grpc.InferInput("IN", [1], "BYTES")
-        inp.set_data_from_numpy(np.array([raw], dtype=np.object_))
-        done = asyncio.Event()
-
-        async def requests():
-            yield {"model_name": self.model, "inputs": [inp], "request_id": str(req_id or "")}
-            # Keep our side of the stream open until the last response: a decoupled
-            # model may answer after the client half-closes, but we do not rely on it.
-            await done.wait()
-
-        # Capped: a huge `timeout` (1e308, Infinity) must not overflow the gRPC deadline into "expired".
+        mux = self._stream_mux()
+        tid, q = mux.open(raw)
+        # Capped: a huge `timeout` (1e308, Infinity) must not overflow the loop's clock.
         timeout = min(float(body.get("timeout") or 300.0), MAX_STREAM_S) + STREAM_SLACK_S
-        call = self.client.stream_infer(requests(), stream_timeout=timeout)
-        finished = False
+        guard = asyncio.get_running_loop().call_later(timeout, q.put_nowait, _TIMED_OUT)
         try:
-            async for result, error in call:
-                if error is not None:
-                    finished = True
-                    yield error_response(req_id, 500, f"Triton: {error}")
+            while True:
+                item = await q.get()
+                if item is _TIMED_OUT:
+                    yield error_response(req_id, 408, f"no answer from the inference server within {timeout:.0f} s")
                     return
-                out = result.as_numpy("OUT")
-                if out is None or out.size == 0:  # an empty final response (after a cancel)
-                    continue
-                item = json.loads(out.reshape(-1)[0])
-                last = bool(item.get("is_end")) or bool(item.get("error_code"))
-                finished = last
+                if item.get("req_id") is None:  # the call's own failure
+                    item["req_id"] = req_id
                 yield item
-                if last:
+                if item.get("is_end") or item.get("error_code"):
                     return
-            finished = True
-            yield error_response(req_id, 500, "Triton closed the stream before the last response")
-        except Exception as e:  # grpc.aio.AioRpcError and friends
-            finished = True
-            code = getattr(e, "code", lambda: None)()
-            name = getattr(code, "name", "")
-            log.warning("Triton stream for %s failed: %s %s", req_id, name, e)
-            status = 503 if name in ("UNAVAILABLE", "") else (408 if name == "DEADLINE_EXCEEDED" else 500)
-            details = e.details() if hasattr(e, "details") else str(e)
-            yield error_response(
-                req_id, status, f"cannot reach the inference server ({name or type(e).__name__}): {details}"
-            )
         finally:
-            done.set()
-            if not finished:
-                call.cancel()  # the client went away: Triton cancels the request
+            guard.cancel()
+            mux.leave(tid, req_id)  # aborts it unless its last item came

@@ -1,5 +1,10 @@
 """Wire formats: the native (PaddleNLP-style) protocol and the OpenAI API."""
 
+# A Triton request parameter: the request aborts the request in flight whose req_id its IN names (the
+# HTTP front end's requests share one gRPC stream, which cannot cancel one of them; triton/model.py).
+ABORT_PARAM = "llmserve_abort"
+CANCELLED = 499  # the error code that ends a request its client aborted
+
 
 def error_response(req_id: str | None, code: int, msg: str, param: str | None = None) -> dict:
     """The native error item (`error_param`: the request field at fault, when one is); here (no

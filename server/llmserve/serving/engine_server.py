@@ -34,7 +34,7 @@ import zmq
 
 from llmserve.config import Config
 from llmserve.engine.output_processor import TextState
-from llmserve.protocol import native
+from llmserve.protocol import CANCELLED, native
 from llmserve.protocol.native import NativeError
 from llmserve.serving import responses
 from llmserve.serving.engine_core import CoreLink, spec_sum
@@ -142,8 +142,13 @@ class EngineServer:
             if op == "add":
                 self._add(client, msg.get("req_id"), next(parsed))
             elif op == "abort":
-                if self._end(msg["req_id"]) is not None:
-                    self.cancelled += 1
+                lv = self._end(msg["req_id"])
+                if lv is None:
+                    continue
+                self.cancelled += 1
+                if lv.client != client:  # another adapter asked (triton/model.py: _abort): its own ends it
+                    why = "aborted: its client went away"
+                    self.outbox.setdefault(lv.client, []).append(native.error_response(lv.req.req_id, CANCELLED, why))
             elif op == "hello":
                 (self.monitors if msg.get("role") == "monitor" else self.adapters).add(client)
                 log.info("%s connected: %s", msg.get("role"), client.decode(errors="replace"))

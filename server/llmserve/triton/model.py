@@ -33,7 +33,10 @@ for no one.
 
 If the engine process dies, its connection drops and every request in flight
 ends at once with an error response (code 500); while it is down new requests
-get 503. Cancelled gRPC streams abort their requests in the engine. If this
+get 503. Cancelled gRPC streams abort their requests in the engine, and so do
+abort requests (ABORT_PARAM: the HTTP front end's requests share one stream,
+which it cannot cancel for one of them; the engine ends a request that another
+instance of this model owns at that instance). If this
 stub dies (or tritonserver, taking it along), the engine sees the link's
 connection close and aborts its requests by itself.
 
@@ -56,7 +59,7 @@ import triton_python_backend_utils as pb_utils
 import zmq
 
 from llmserve.config import Config
-from llmserve.protocol import error_response
+from llmserve.protocol import ABORT_PARAM, CANCELLED, error_response
 from llmserve.serving.ipc import EngineLink, dumps
 
 log = logging.getLogger("llmserve.triton")
@@ -166,6 +169,9 @@ class TritonPythonModel:
                 body = json.loads(raw)
                 if not isinstance(body, dict):
                     raise ValueError("the request must be a JSON object")
+                if ABORT_PARAM in (request.parameters() or ""):
+                    self._abort(sender, body.get("req_id"))
+                    continue
                 req_id = str(body.get("req_id") or req_id or uuid.uuid4())
                 body["req_id"] = req_id
                 # JSON text (ASCII: a lone surrogate survives it): the engine parses and validates it
@@ -186,6 +192,23 @@ class TritonPythonModel:
             elif state == "down":
                 self._respond(sender, error_response(req_id, 503, "the engine is not ready"), final=True)
         return None
+
+    def _abort(self, sender, req_id) -> None:
+        """An abort request (ABORT_PARAM): the engine aborts `req_id`. Sent through the pipe, so after this
+        instance's own add of it. A request of this instance's ends here with CANCELLED; one of another
+        instance's, there, when the engine tells it (engine_server.py)."""
+        owner = None
+        if isinstance(req_id, str) and req_id:
+            with self.lock:
+                owner = self.senders.pop(req_id, None)
+                if self.connected:
+                    self.push.send(dumps({"op": "abort", "req_id": req_id}))
+        if owner is not None:  # its send_idx goes at the next cancel check
+            self._respond(owner, error_response(req_id, CANCELLED, "aborted: its client went away"), final=True)
+        try:
+            sender.send(flags=FINAL)  # nothing to answer: an empty final response
+        except Exception:
+            pass
 
     def finalize(self) -> None:
         self.stop.set()
@@ -326,6 +349,9 @@ class TritonPythonModel:
                 pass
         with self.lock:
             cancelled = [(r, s) for r, s in cancelled if self.senders.pop(r, None) is s]
+            ended = [r for r in self.send_idx if r not in self.senders]  # aborted by execute() (_abort)
+        for r in ended:
+            self.send_idx.pop(r, None)
         if cancelled:
             log.info("%d request(s) cancelled by the client: aborting them", len(cancelled))
             self._forward(pull, link)  # an abort must not overtake its request's add
