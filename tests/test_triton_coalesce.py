@@ -31,6 +31,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from llmserve.protocol import ABORT_PARAM, CANCELLED
 from llmserve.serving.ipc import EngineLink, dumps, loads
 from llmserve.serving.testing import ServingStack, free_ports, process_tree
 
@@ -268,9 +269,13 @@ class _Sender:
 
 
 class _Request:
-    def __init__(self, body: dict) -> None:
+    def __init__(self, body: dict, parameters: dict | None = None) -> None:
         self.inputs = {"IN": _Tensor("IN", np.array([json.dumps(body).encode()], dtype=np.object_))}
         self.sender = _Sender()
+        self._parameters = json.dumps(parameters or {})
+
+    def parameters(self) -> str:  # as Triton's: the request's parameters as JSON text
+        return self._parameters
 
     def get_response_sender(self) -> _Sender:
         return self.sender
@@ -433,6 +438,37 @@ def test_adapter_fails_requests_on_a_stalled_step(wired):
     # Their aborts are queued for the engine, should it resume.
     engine.wait_for(lambda got: {m.get("req_id") for m in got if m["op"] == "abort"} == {_rid(r) for r in reqs})
     assert model.senders == {}
+
+
+def test_adapter_abort_requests(wired):
+    """An abort request (ABORT_PARAM) reaches the engine after the add it names (one pipe); a request of
+    this adapter's ends at once with CANCELLED, its numbering forgotten at the next cancel check; the
+    abort request itself gets an empty final response; one for a req_id held elsewhere only goes on."""
+    model, engine = wired
+    a, b = _submit(model, engine, 2)
+    engine.send({"op": "out", "items": [{"req_id": _rid(a), "token": "x", "token_ids": [1], "is_end": 0}]})
+    assert _wait(lambda: a.sender.got)
+    aborts = [
+        _Request({"req_id": _rid(a)}, {ABORT_PARAM: True}),
+        _Request({"req_id": "elsewhere"}, {ABORT_PARAM: True}),
+    ]
+    model.execute(aborts)
+    engine.wait_for(lambda got: [m["req_id"] for m in got if m["op"] == "abort"] == [_rid(a), "elsewhere"])
+    assert [m["op"] for m in engine.got if m["op"] != "hb"][-4:] == ["add", "add", "abort", "abort"]
+    msg, flags = a.sender.got[-1]
+    assert msg["error_code"] == CANCELLED and msg["req_id"] == _rid(a) and flags == 1
+    assert [r.sender.got for r in aborts] == [[(None, 1)], [(None, 1)]]
+    assert list(model.senders) == [_rid(b)] and not b.sender.got
+    assert _wait(lambda: _rid(a) not in model.send_idx)
+
+
+def _wait(pred, timeout: float = 3.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def test_adapter_fails_requests_when_the_engine_goes_silent(wired):
