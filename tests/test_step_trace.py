@@ -20,7 +20,8 @@ def test_one_line_per_step_with_its_counts(tiny_hf_dir, tmp_path):
     engine.add_request("b", [5, 6, 7], p)
     while engine.has_unfinished():
         engine.step()
-    steps = engine.stats().steps
+    stats = engine.stats()
+    steps = stats.steps
     engine.shutdown()
     rows = [[float(x) for x in line.split()] for line in trace.read_text().splitlines()]
     assert len(rows) == steps
@@ -30,3 +31,6 @@ def test_one_line_per_step_with_its_counts(tiny_hf_dir, tmp_path):
     ]  # running waiting prompt decodes admitted
     assert all(r[3] == 0 and r[4] >= 1 for r in rows[2:])  # then decodes only
     assert all(r[6] > 0 for r in rows) and rows == sorted(rows)
+    # schedule, launch and take-in ms: the host's time in step(), which the engine's own clock bounds
+    assert all(len(r) == 10 and min(r[7:]) >= 0 for r in rows)
+    assert 0 < sum(sum(r[7:]) for r in rows) <= 1e3 * stats.step_time + 0.02 * len(rows)  # (rounded)

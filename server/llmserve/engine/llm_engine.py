@@ -240,8 +240,8 @@ class LLMEngine:
                 if c.sample and c.request.req_id in self.grammars.matchers:
                     c.token_bitmask = partial(self.grammars.bitmask, c.request.req_id, list(c.draft_token_ids))
         self._preemptions += len(sched.preempted)
-        if self._trace is not None and sched.chunks:
-            self._trace.write(sched, self.scheduler, self.block_manager)
+        trace = self._trace.scheduled(sched, self.scheduler, self.block_manager) if self._trace and sched.chunks else ""
+        t_sched = time.perf_counter()
         launched = None
         if sched.chunks:
             left, self._left = self._left, []
@@ -264,7 +264,10 @@ class LLMEngine:
         done, self._inflight = (self._inflight, launched) if overlap else (launched, None)
         if done is not None:
             outputs += self._take_in(done)
-        self._step_time += time.perf_counter() - t0
+        t2 = time.perf_counter()
+        self._step_time += t2 - t0
+        if trace:
+            self._trace.write(trace, t_sched - t0, t1 - t_sched, t2 - t1)
         return outputs
 
     def _draft_length(self, batch: int) -> int:
