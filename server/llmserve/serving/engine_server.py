@@ -34,6 +34,7 @@ import zmq
 
 from llmserve.config import Config
 from llmserve.engine.output_processor import TextState
+from llmserve.engine.sampling_params import SamplingParams
 from llmserve.protocol import CANCELLED, native
 from llmserve.protocol.native import NativeError
 from llmserve.serving import responses
@@ -41,6 +42,8 @@ from llmserve.serving.engine_core import CoreLink, spec_sum
 from llmserve.serving.ipc import HEARTBEAT_S, dumps, endpoint, loads
 from llmserve.serving.process_exit import exit_now
 from llmserve.serving.responses import Live
+
+_PARAM_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams))  # what an add message carries
 
 log = logging.getLogger("llmserve.engine_server")
 
@@ -180,7 +183,7 @@ class EngineServer:
             params = native.admit(req, ids, self.context, self.cfg.max_dec_len, self.vocab_size)
             now = time.monotonic()
             core_id = str(self.next_core_id + 1)
-            fields = dataclasses.asdict(params)
+            fields = {k: getattr(params, k) for k in _PARAM_FIELDS}  # flat: asdict's deep copy cost 0.08 ms
             msg = dumps({"op": "add", "req_id": core_id, "ids": ids, "params": fields, "arrival": now})
         except NativeError as e:
             self._reject(client, req_id, e.code, e.msg, e.param)
