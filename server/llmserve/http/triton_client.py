@@ -25,6 +25,7 @@ ends every request on it; the next request opens a new one.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import json
 import logging
@@ -45,6 +46,7 @@ log = logging.getLogger("llmserve.http")
 
 STREAM_SLACK_S = 30.0  # the engine enforces `timeout`; this only guards against a stuck request
 MAX_STREAM_S = 7 * 24 * 3600.0
+CLOSE_S = 2.0  # at shutdown: how long Triton may take to end the shared call after we half-close it
 ABORT_PARAM = "llmserve_abort"  # a request with it set aborts the req_id its IN names (triton/model.py)
 _LEN = struct.Struct("<I")  # a BYTES element's length prefix
 _TIMED_OUT: dict = {}  # the guard's mark in a request's queue
@@ -160,9 +162,15 @@ class _Mux:
                 self._abort(req_id)
 
     async def close(self) -> None:
+        """Half-close the call and let Triton end it: cancelling a stream whose requests have all
+        ended leaves Triton holding the model until its exit timeout (docs/serving.md)."""
+        writer, reader = self.tasks
+        writer.cancel()
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(self.call.done_writing(), CLOSE_S)
+            await asyncio.wait_for(asyncio.shield(reader), CLOSE_S)
         self.call.cancel()
-        for t in self.tasks:
-            t.cancel()
+        reader.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
