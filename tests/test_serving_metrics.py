@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from llmserve.serving.metrics import EngineMetrics, TritonMetrics
+from llmserve.serving.testing import wait_until
 
 
 class FakeTriton:
@@ -53,15 +54,6 @@ def stats(**kw) -> dict:
     return msg | {"generation_tokens": 0, "finished": [], "failed": []} | kw
 
 
-def wait_for(pred, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
-
-
 def timed(f):
     t0 = time.monotonic()
     out = f()
@@ -72,7 +64,7 @@ def test_slow_triton_never_delays_a_scrape_and_ours_stay_live(fake):
     engine = EngineMetrics()
     triton = TritonMetrics(fake.url, refresh=0.05, timeout=5.0, max_age=30.0).start()
     try:
-        assert wait_for(lambda: b"nv_inference_count 1\n" in engine.exposition(triton))
+        assert wait_until(lambda: b"nv_inference_count 1\n" in engine.exposition(triton))
         # Triton now takes 2 s per answer (seen on a busy 2-core machine) and has moved on.
         fake.delay, fake.body = 2.0, b"nv_inference_count 2\n"
         time.sleep(0.2)  # a slow fetch is under way
@@ -84,7 +76,7 @@ def test_slow_triton_never_delays_a_scrape_and_ours_stay_live(fake):
             assert text.index("nv_inference_count") < text.index("llmserve_")
             assert f"llmserve_kv_blocks_used {used:.1f}" in text  # live, not from the copy's time
         assert "llmserve_request_cancelled_total 3.0" in text
-        assert wait_for(lambda: b"nv_inference_count 2\n" in engine.exposition(triton), timeout=10)
+        assert wait_until(lambda: b"nv_inference_count 2\n" in engine.exposition(triton), timeout=10)
     finally:
         triton.stop()
 
@@ -92,10 +84,10 @@ def test_slow_triton_never_delays_a_scrape_and_ours_stay_live(fake):
 def test_triton_gone_is_dropped_after_max_age(fake):
     triton = TritonMetrics(fake.url, refresh=0.05, timeout=0.5, max_age=1.0).start()
     try:
-        assert wait_for(lambda: triton.text() == b"nv_inference_count 1\n")
+        assert wait_until(lambda: triton.text() == b"nv_inference_count 1\n")
         fake.close()  # refused from now on
         t0 = time.monotonic()
-        assert wait_for(lambda: b"unavailable" in triton.text())
+        assert wait_until(lambda: b"unavailable" in triton.text())
         assert time.monotonic() - t0 > 0.5  # served the last copy for a while, then dropped it
         text, took = timed(lambda: EngineMetrics().exposition(triton))
         assert took < 0.2 and text.startswith(b"# Triton metrics unavailable\n") and b"llmserve_" in text

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 
 from llmserve.protocol import ABORT_PARAM, CANCELLED
 from llmserve.serving.ipc import EngineLink, dumps, loads
-from llmserve.serving.testing import ServingStack, free_ports, process_tree
+from llmserve.serving.testing import ServingStack, free_ports, process_tree, wait_until
 
 # ---- the adapter module, importable without Triton ------------------------------------------
 PB = "triton_python_backend_utils"
@@ -447,7 +447,7 @@ def test_adapter_abort_requests(wired):
     model, engine = wired
     a, b = _submit(model, engine, 2)
     engine.send({"op": "out", "items": [{"req_id": _rid(a), "token": "x", "token_ids": [1], "is_end": 0}]})
-    assert _wait(lambda: a.sender.got)
+    assert wait_until(lambda: a.sender.got, 3)
     aborts = [
         _Request({"req_id": _rid(a)}, {ABORT_PARAM: True}),
         _Request({"req_id": "elsewhere"}, {ABORT_PARAM: True}),
@@ -459,16 +459,7 @@ def test_adapter_abort_requests(wired):
     assert msg["error_code"] == CANCELLED and msg["req_id"] == _rid(a) and flags == 1
     assert [r.sender.got for r in aborts] == [[(None, 1)], [(None, 1)]]
     assert list(model.senders) == [_rid(b)] and not b.sender.got
-    assert _wait(lambda: _rid(a) not in model.send_idx)
-
-
-def _wait(pred, timeout: float = 3.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not pred():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
+    assert wait_until(lambda: _rid(a) not in model.send_idx, 3)
 
 
 def test_adapter_fails_requests_when_the_engine_goes_silent(wired):

@@ -46,6 +46,7 @@ class StreamResponse(Response):
         except asyncio.CancelledError:
             if not gone:
                 raise
-            task.uncancel()  # our own cancel: the client left, and nobody waits for more
+            if hasattr(task, "uncancel"):  # Python >= 3.11 counts cancel requests
+                task.uncancel()  # our own cancel: the client left, and nobody waits for more
         finally:
             watcher.cancel()

@@ -146,6 +146,16 @@ class ServingStack:
         raise TimeoutError(f"not ready after {timeout} s: {self.ready()}\n{self.logs()}")
 
 
+def wait_until(pred, timeout: float = 5.0, every: float = 0.02) -> bool:
+    """Whether `pred()` came true within `timeout` seconds (asked every `every` seconds)."""
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(every)
+    return True
+
+
 # ---- reliability helpers -----------------------------------------------------------
 def http_stack(work_dir: Path, **env) -> ServingStack:
     """A ServingStack with the HTTP front end on a free loopback port (`stack.http_base`)."""
