@@ -307,7 +307,8 @@ def test_mtp_reads_graph_steps_in_their_padded_layout(mtp_graphs):
     assert runs[True].pop("out") == runs[False].pop("out"), f"seed {seed}"
     both = [key for key in runs[True] if key in runs[False]]
     same = sum(runs[True][key] == runs[False][key] for key in both)
-    assert len(both) > 20 and same >= 0.98 * len(both), f"seed {seed}: {same} of {len(both)}"
+    # Steps with proposals in both runs: 21-73 over 8 seeds (one CI seed had 20), so at least 10.
+    assert len(both) >= 10 and same >= 0.98 * len(both), f"seed {seed}: {same} of {len(both)}"
 
 
 # ---------------------------------------------------------------- start errors
