@@ -52,8 +52,7 @@ class StepEncoder:
             s = self.sent.get(req.req_id)
             if s is None:
                 s = self.sent[req.req_id] = _Sent(trims=req.num_table_trims)
-                params = dataclasses.asdict(req.params)
-                new.append([req.req_id, req.prompt_token_ids, params, sorted(req.eos_token_ids)])
+                new.append([req.req_id, req.prompt_token_ids, req.params.as_dict(), sorted(req.eos_token_ids)])
             outs = req.output_token_ids[s.outputs :]
             s.outputs += len(outs)
             keep = 0 if req.num_table_trims != s.trims else min(s.table, len(req.block_table))

@@ -9,7 +9,7 @@ native `max_dec_len`/`min_dec_len`/`topp`/`penalty_score`/`frequency_score`/
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -44,6 +44,11 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def as_dict(self) -> dict:
+        """The fields, for a message that rebuilds them (`SamplingParams(**d)`): a flat copy, its lists and
+        dicts shared (dataclasses.asdict's deep copy cost the engine server 0.08 ms a request)."""
+        return {k: getattr(self, k) for k in _FIELDS}
 
     @property
     def greedy(self) -> bool:
@@ -89,3 +94,6 @@ class SamplingParams:
             bad("seed", f"must be >= 0, got {self.seed}")  # numpy's generators refuse it (it killed the engine)
         if any(not s for s in self.stop):
             bad("stop", "empty stop string")
+
+
+_FIELDS = tuple(f.name for f in fields(SamplingParams))

@@ -38,6 +38,7 @@ from typing import Protocol
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from llmserve.protocol import ABORT_PARAM
 from llmserve.protocol.native import error_response
 from llmserve.triton.channel import channel_args
 from llmserve.triton.launcher import MODEL_NAME
@@ -47,7 +48,6 @@ log = logging.getLogger("llmserve.http")
 STREAM_SLACK_S = 30.0  # the engine enforces `timeout`; this only guards against a stuck request
 MAX_STREAM_S = 7 * 24 * 3600.0
 CLOSE_S = 2.0  # at shutdown: how long Triton may take to end the shared call after we half-close it
-ABORT_PARAM = "llmserve_abort"  # a request with it set aborts the req_id its IN names (triton/model.py)
 _LEN = struct.Struct("<I")  # a BYTES element's length prefix
 _TIMED_OUT: dict = {}  # the guard's mark in a request's queue
 

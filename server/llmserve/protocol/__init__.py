@@ -13,3 +13,8 @@ def error_response(req_id: str | None, code: int, msg: str, param: str | None = 
     if param:
         item["error_param"] = param
     return item
+
+
+def cancelled_response(req_id: str) -> dict:
+    """The error item that ends a request its client aborted (CANCELLED)."""
+    return error_response(req_id, CANCELLED, "aborted: its client went away")

@@ -59,7 +59,7 @@ import triton_python_backend_utils as pb_utils
 import zmq
 
 from llmserve.config import Config
-from llmserve.protocol import ABORT_PARAM, CANCELLED, error_response
+from llmserve.protocol import ABORT_PARAM, cancelled_response, error_response
 from llmserve.serving.ipc import EngineLink, dumps
 
 log = logging.getLogger("llmserve.triton")
@@ -204,7 +204,7 @@ class TritonPythonModel:
                 if self.connected:
                     self.push.send(dumps({"op": "abort", "req_id": req_id}))
         if owner is not None:  # its send_idx goes at the next cancel check
-            self._respond(owner, error_response(req_id, CANCELLED, "aborted: its client went away"), final=True)
+            self._respond(owner, cancelled_response(req_id), final=True)
         try:
             sender.send(flags=FINAL)  # nothing to answer: an empty final response
         except Exception:
