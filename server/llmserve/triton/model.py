@@ -194,17 +194,13 @@ class TritonPythonModel:
         return None
 
     def _abort(self, sender, req_id) -> None:
-        """An abort request (ABORT_PARAM): the engine aborts `req_id`. Sent through the pipe, so after this
-        instance's own add of it. A request of this instance's ends here with CANCELLED; one of another
-        instance's, there, when the engine tells it (engine_server.py)."""
-        owner = None
+        """An abort request (ABORT_PARAM): handed to the IO thread through the pipe, so after this
+        instance's own add of it, and so that only the IO thread answers requests in flight (two threads
+        sending on one response sender crashed tritonserver with SIGBUS): see `_abort_in_flight`."""
         if isinstance(req_id, str) and req_id:
             with self.lock:
-                owner = self.senders.pop(req_id, None)
                 if self.connected:
-                    self.push.send(dumps({"op": "abort", "req_id": req_id}))
-        if owner is not None:  # its send_idx goes at the next cancel check
-            self._respond(owner, cancelled_response(req_id), final=True)
+                    self.push.send_multipart([b"abort", req_id.encode()])
         try:
             sender.send(flags=FINAL)  # nothing to answer: an empty final response
         except Exception:
@@ -298,14 +294,27 @@ class TritonPythonModel:
         pull.close(0)
         link.close()
 
-    @staticmethod
-    def _forward(pull, link: EngineLink) -> None:
-        """execute()'s requests, from the inproc pipe to the engine."""
+    def _forward(self, pull, link: EngineLink) -> None:
+        """execute()'s requests, from the inproc pipe to the engine (an abort: `_abort_in_flight`)."""
         while True:
             try:
-                link.sock.send(pull.recv(zmq.NOBLOCK), zmq.NOBLOCK)
+                frames = pull.recv_multipart(zmq.NOBLOCK)
+                if len(frames) == 1:
+                    link.sock.send(frames[0], zmq.NOBLOCK)
+                else:
+                    self._abort_in_flight(frames[1].decode(), link)
             except zmq.Again:
                 break
+
+    def _abort_in_flight(self, req_id: str, link: EngineLink) -> None:
+        """The engine aborts `req_id`; a request of this instance's ends here with CANCELLED, one of
+        another instance's there, when the engine tells it (engine_server.py)."""
+        with self.lock:
+            sender = self.senders.pop(req_id, None)
+        link.send({"op": "abort", "req_id": req_id})
+        if sender is not None:
+            self.send_idx.pop(req_id, None)
+            self._respond(sender, cancelled_response(req_id), final=True)
 
     def _deliver(self, items: list[dict], forward) -> None:
         """Send the engine's items, merged per request (see `coalesce`), each numbered (send_idx).
@@ -349,9 +358,6 @@ class TritonPythonModel:
                 pass
         with self.lock:
             cancelled = [(r, s) for r, s in cancelled if self.senders.pop(r, None) is s]
-            ended = [r for r in self.send_idx if r not in self.senders]  # aborted by execute() (_abort)
-        for r in ended:
-            self.send_idx.pop(r, None)
         if cancelled:
             log.info("%d request(s) cancelled by the client: aborting them", len(cancelled))
             self._forward(pull, link)  # an abort must not overtake its request's add
