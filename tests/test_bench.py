@@ -30,6 +30,7 @@ import pytest
 from llmserve.bench.backends import make_backend
 from llmserve.bench.metrics import RequestResult, summarize
 from llmserve.bench.processes import ClientProcessError, ClientSpec, run_processes, split
+from llmserve.bench.report import format_table
 from llmserve.bench.runner import run_level
 from llmserve.bench.workload import SHAREGPT, BenchRequest, Vocab, arrival_delays, build_workload
 from llmserve.serving.testing import PORT_VARS as STACK_PORT_VARS
@@ -262,6 +263,9 @@ def test_native_metrics_against_known_server(vocab, fresh_seed):
     _check_timing([r for _, r in ok])
     assert s["tpot_ms"]["median"] >= ITL_S * 900
     assert_ordered(s)
+    # When the client wrote each request: after its start, before its first token (the server waits TTFT_S).
+    assert all(0 < r.sent < r.ttft and r.ttft - r.sent >= TTFT_S * 0.9 for _, r in ok)
+    assert 0 < s["send_ms"]["median"] < s["ttft_ms"]["median"] and "Sent by the client" in format_table(s)
 
 
 def test_openai_completions_metrics_against_known_server(vocab, fresh_seed):

@@ -104,6 +104,44 @@ def test_overlap_with_preemption_gives_the_serial_tokens(checkpoint):
     assert serial_engine.stats().preemptions > 0 and overlapped_engine.stats().preemptions > 0
 
 
+def as_if_asynchronous(engine: LLMEngine, done_share: float, seed: int) -> list[int]:
+    """The CPU runner run as a CUDA one whose launched step is found done `done_share` of the time;
+    returns a list that counts the launches."""
+    runner, rng, launches = engine.runner, random.Random(seed), []
+    submit = runner.submit
+    runner.asynchronous = True
+    runner.done = lambda handle: rng.random() < done_share
+    runner.submit = lambda step: launches.append(1) or submit(step)
+    return launches
+
+
+def test_a_step_found_done_is_taken_in_before_the_next_launch(checkpoint):
+    """A launched step the device has finished is returned at once, without launching the next (whose
+    launch could hold its tokens for tens of ms); the tokens stay the serial loop's."""
+    seed = random.randrange(1 << 20)
+    reqs = workload(seed)
+    serial = run(make_engine(checkpoint, overlap=False), reqs)
+    mixed = make_engine(checkpoint, overlap=True)
+    launches = as_if_asynchronous(mixed, 0.5, seed)
+    assert run(mixed, reqs) == serial, f"seed {seed}"
+
+    engine = make_engine(checkpoint, overlap=True)
+    launches = as_if_asynchronous(engine, 1.0, seed)
+    for i in range(3):
+        engine.add_request(f"d{i}", list(range(1 + i, 10 + i)), SamplingParams(max_tokens=8, min_tokens=8))
+    assert engine.step() == [] and len(launches) == 1  # launched; nothing was in flight
+    outs = engine.step()  # the first step is done: its tokens, and no launch
+    assert len(launches) == 1 and engine._inflight is None
+    assert sorted(o.req_id for o in outs) == ["d0", "d1", "d2"] and all(len(o.new_token_ids) == 1 for o in outs)
+    assert engine.step() == [] and len(launches) == 2
+    engine.runner.done = lambda handle: False  # the device is behind again: steps overlap
+    got = engine.step()
+    assert len(launches) == 3 and engine._inflight is not None and len(got) == 3
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_used == 0
+
+
 def test_abort_during_an_inflight_step_frees_every_block(checkpoint):
     engine = make_engine(checkpoint, overlap=True)
     for i in range(6):

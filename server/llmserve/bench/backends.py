@@ -140,10 +140,14 @@ class _HTTPBackend(Backend):
     async def start(self) -> None:
         import aiohttp
 
+        # When each request's body has been written: the client's own delay in a burst.
+        trace = aiohttp.TraceConfig()
+        trace.on_request_chunk_sent.append(_on_chunk_sent)
         self.session = aiohttp.ClientSession(
             base_url=f"http://{self.host}:{self.port}",
             connector=aiohttp.TCPConnector(limit=0, force_close=False),
             timeout=aiohttp.ClientTimeout(total=self.timeout),
+            trace_configs=[trace],
         )
 
     async def close(self) -> None:
@@ -154,7 +158,7 @@ class _HTTPBackend(Backend):
         body = self.body(req, rid)
         timer = _Timer(res)
         try:
-            async with self.session.post(self.path, json=body) as resp:
+            async with self.session.post(self.path, json=body, trace_request_ctx=res) as resp:
                 if resp.status != 200:
                     res.fail(*await _http_error(resp))
                 else:
@@ -170,6 +174,12 @@ class _HTTPBackend(Backend):
 
     async def read_stream(self, resp, res: RequestResult, timer: _Timer) -> None:
         raise NotImplementedError
+
+
+async def _on_chunk_sent(session, ctx, params) -> None:
+    res = ctx.trace_request_ctx
+    if isinstance(res, RequestResult) and not res.sent:
+        res.sent = time.perf_counter() - res.start
 
 
 async def _http_error(resp) -> tuple[str, str]:

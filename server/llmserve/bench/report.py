@@ -45,6 +45,9 @@ def format_table(summary: dict) -> str:
         lines.append(f"{' ' + name + ' (ms) ':-^62}")
         for stat in ("mean", "median", "p90", "p99"):
             lines.append(f"{stat.capitalize() + ' ' + name + ':':<40}{s[stat]:>22.2f}")
+    if "send_ms" in summary:
+        s = summary["send_ms"]
+        lines.append(f"{'Sent by the client, median / p90 (ms):':<40}{s['median']:>11.2f} / {s['p90']:<8.2f}")
     lines += _spec_lines(summary.get("spec_decode"))
     lines.append("=" * 62)
     return "\n".join(lines)

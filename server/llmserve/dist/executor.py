@@ -80,7 +80,7 @@ class TPExecutor(ModelRunner):
         self, runner: ModelRunner, lay: Layout, channels: _Channels, workers: Workers, stop: threading.Event
     ) -> None:
         self.runner, self.layout, self.workers, self._stop = runner, lay, workers, stop
-        for name in ("block_size", "num_kv_blocks", "max_model_len", "eos_token_ids", "vocab_size", "overlap"):
+        for name in ("block_size", "num_kv_blocks", "max_model_len", "eos_token_ids", "vocab_size", "overlap", "asynchronous"):
             setattr(self, name, getattr(runner, name))
         self.default_long_prefill_tokens = runner.default_long_prefill_tokens
         self.saturation_tokens, self.max_sampled_rows = runner.saturation_tokens, runner.max_sampled_rows

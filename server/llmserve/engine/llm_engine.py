@@ -215,9 +215,19 @@ class LLMEngine:
         step N's tokens while N+1 runs (a request that ended in N has its N+1 token dropped).
         A step that verifies proposals is serial: they follow the tokens its predecessor accepted,
         so that one is taken in first; when the draft-length rule gives k = 0 (a busy engine),
-        steps overlap as without speculation."""
+        steps overlap as without speculation.
+
+        A step the device has already finished (the host fell behind: an eager prefill's launch, the
+        server's own work) is taken in and returned alone: launching the next one first would hold
+        its tokens for that launch, which takes tens of ms when the step prefills many prompts."""
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
+        f = self._inflight
+        if f is not None and self.runner.asynchronous and self.runner.done(f.handle):
+            self._inflight = None
+            outputs += self._take_in(f)
+            self._step_time += time.perf_counter() - t0
+            return outputs
         spec = self.proposer is not None
         batch = len(self.scheduler.running) + len(self.scheduler.waiting) if spec else 0
         k = self._draft_length(batch) if spec else 0

@@ -137,6 +137,9 @@ class ModelRunner(abc.ABC):
     eos_token_ids: frozenset[int]
     vocab_size: int
     overlap: bool = False
+    # `submit` returns before the device has run the step (CUDA), so `done` can be False; a step found
+    # done before the next is launched is taken in first (LLMEngine.step).
+    asynchronous: bool = False
     # Most prompt tokens of one request per step when LONG_PREFILL_TOKENS is 0 (0: the step budget).
     default_long_prefill_tokens: int = 0
     # Tokens a step takes before it stops being bound by reading the weights (speculative decoding's

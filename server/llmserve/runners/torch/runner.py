@@ -78,6 +78,7 @@ class TorchRunner(ModelRunner):
         check_shardable(mc, tp.size)
         self.device = pick_device(config)
         cuda = self.device.type == "cuda"
+        self.asynchronous = cuda
         self.dtype = torch.bfloat16 if cuda else torch.float32
         self.block_size = config.block_size
         self.max_model_len = min(config.max_seq_len, mc.max_position_embeddings)
