@@ -181,15 +181,33 @@ def engine_server(demo_dir):
     """The engine server with its real core process (demo model), its ROUTER on a free port;
     the test drives its loop with `pump` (no thread)."""
     from llmserve.serving.engine_server import start
-    from llmserve.serving.ipc import endpoint
     from llmserve.serving.testing import free_ports
 
     port = free_ports(1)[0]
     server = start(Config.from_env({}, model_dir=demo_dir, inter_proc_port=port))
-    server.sock.bind(endpoint(port))
     yield server
     server._shutdown()
     assert not server.core.alive()
+
+
+def test_a_taken_inter_proc_port_fails_at_once_naming_the_setting(demo_dir):
+    """The engine server listens before it starts the core (or loads anything): a port held by another
+    socket is refused at once, with a message naming INTER_PROC_PORT."""
+    import socket
+
+    from llmserve.serving.engine_server import start
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen()
+    port = holder.getsockname()[1]
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"INTER_PROC_PORT={port}: cannot listen"):
+            start(Config.from_env({}, model_dir=demo_dir, inter_proc_port=port))
+        assert time.monotonic() - t0 < 5  # before any model is loaded
+    finally:
+        holder.close()
 
 
 def pump(server, done, timeout: float = 30.0) -> None:
@@ -248,12 +266,11 @@ def test_engine_server_admits_a_burst_up_to_the_batch_and_its_queue(demo_dir):
     MAX_CACHED_TASK_NUM more are admitted, the rest get 429 naming the setting; each admitted request's
     text is the one it gets alone (its prompt's ids are its own)."""
     from llmserve.serving.engine_server import start
-    from llmserve.serving.ipc import dumps, endpoint
+    from llmserve.serving.ipc import dumps
     from llmserve.serving.testing import free_ports
 
     port = free_ports(1)[0]
     server = start(Config.from_env({}, model_dir=demo_dir, inter_proc_port=port, batch_size=4, max_cached_task_num=2))
-    server.sock.bind(endpoint(port))
     client = dealer(port, b"burst")
     prompts = ["def f(x):\n", "import os\n", "class A:\n", "for i in range(3):\n", "x = [", "while True:\n"]
     body = {"max_dec_len": 6, "min_dec_len": 6, "temperature": 0}

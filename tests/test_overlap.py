@@ -173,7 +173,7 @@ def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_
 
     from llmserve.engine.llm import LLM
     from llmserve.serving.engine_server import start
-    from llmserve.serving.ipc import dumps, endpoint, loads
+    from llmserve.serving.ipc import dumps, loads
     from llmserve.serving.testing import free_ports
     from tests.test_engine import dealer
 
@@ -199,7 +199,6 @@ def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_
         assert w.finish_reason == "stop" and w.text == head and len(w.token_ids) >= n
     port = free_ports(1)[0]
     server = start(Config.from_env({}, model_dir=str(tiny_hf_dir), inter_proc_port=port, block_size=4, max_seq_len=256))
-    server.sock.bind(endpoint(port))
     client = dealer(port, b"c")
     try:
         for i, (p, stop, _, _) in enumerate(cases):

@@ -263,7 +263,7 @@ def test_engine_server_stats_carry_spec_deltas(tiny_hf_dir):
     from llmserve.engine.llm_engine import build_engine
     from llmserve.protocol import native
     from llmserve.serving.engine_server import start
-    from llmserve.serving.ipc import dumps, endpoint, loads
+    from llmserve.serving.ipc import dumps, loads
     from llmserve.serving.testing import free_ports
     from tests.test_engine import dealer
 
@@ -274,7 +274,6 @@ def test_engine_server_stats_carry_spec_deltas(tiny_hf_dir):
     body = {"req_id": "r", "input_ids": ids, "max_dec_len": 40, "min_dec_len": 40, "temperature": 0}
     port = free_ports(1)[0]
     server = start(Config.from_env({}, inter_proc_port=port, **settings))
-    server.sock.bind(endpoint(port))
     client, monitor = dealer(port, b"c"), dealer(port, b"m")
     items: list[dict] = []
     stats: list[dict] = []

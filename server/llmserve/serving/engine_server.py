@@ -45,7 +45,7 @@ log = logging.getLogger("llmserve.engine_server")
 
 
 class EngineServer:
-    def __init__(self, config: Config, core: CoreLink, tokenizer) -> None:
+    def __init__(self, config: Config, core: CoreLink, tokenizer, sock: zmq.Socket) -> None:
         self.cfg = config
         self.core = core
         self.tokenizer = tokenizer
@@ -77,15 +77,7 @@ class EngineServer:
         self.gone: set[bytes] = set()  # clients found unroutable (disconnected) since the last _reap
         self.stopping = False
         self.draining = False  # SIGUSR1 (the supervisor, on SIGTERM): finish what runs, refuse new work
-        self.ctx = zmq.Context.instance()
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
-        # A send to a client whose connection is gone raises EHOSTUNREACH instead of vanishing: that is
-        # how a dead client (a killed Triton stub) is noticed, and its requests aborted (see _reap).
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.SNDHWM, 100_000)
-        self.sock.setsockopt(zmq.RCVHWM, 100_000)
+        self.sock = sock
         self.poller = zmq.Poller()
         self.poller.register(self.sock, zmq.POLLIN)
         self.poller.register(core.sock, zmq.POLLIN)
@@ -93,7 +85,6 @@ class EngineServer:
 
     # ---- loop ------------------------------------------------------------------
     def serve(self) -> None:
-        self.sock.bind(endpoint(self.cfg.inter_proc_port))
         log.info("engine serving on %s (pid %d)", endpoint(self.cfg.inter_proc_port), os.getpid())
         while not self.stopping and self.run_once():
             pass
@@ -377,11 +368,38 @@ class EngineServer:
         self.core.close()
 
 
+def listen(config: Config) -> zmq.Socket:
+    """The adapters' socket, bound on INTER_PROC_PORT before anything else starts. Bound only once the
+    model had loaded, the port could be taken meanwhile as the local end of an outgoing connection (the
+    HTTP front end's to Triton, ...): the default 56666 lies in Linux's ephemeral range, and the engine
+    then failed to bind at every restart while that connection lived."""
+    sock = zmq.Context.instance().socket(zmq.ROUTER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+    # A send to a client whose connection is gone raises EHOSTUNREACH instead of vanishing: that is
+    # how a dead client (a killed Triton stub) is noticed, and its requests aborted (see _reap).
+    sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+    sock.setsockopt(zmq.SNDHWM, 100_000)
+    sock.setsockopt(zmq.RCVHWM, 100_000)
+    try:
+        sock.bind(endpoint(config.inter_proc_port))
+    except zmq.ZMQError as e:
+        sock.close(0)
+        raise RuntimeError(
+            f"INTER_PROC_PORT={config.inter_proc_port}: cannot listen on {endpoint(config.inter_proc_port)} ({e}); "
+            "another process holds it (`ss -tanp | grep :PORT`): choose a free port, preferably below the "
+            "ephemeral range (/proc/sys/net/ipv4/ip_local_port_range)"
+        ) from None
+    return sock
+
+
 def start(config: Config) -> EngineServer:
-    """Resolve the model (building the demo model when none), start the core, load the tokenizer."""
+    """Listen for the adapters, resolve the model (building the demo model when none), start the core,
+    load the tokenizer."""
     from llmserve.engine.loader import resolve_model_dir
     from llmserve.engine.tokenizer import load_tokenizer
 
+    sock = listen(config)
     model_dir = resolve_model_dir(config)
     env = {**os.environ, **config.to_env(), "MODEL_DIR": str(model_dir)}
     # A CPU model leaves one core to this process and the rest of the stack: with every core its math
@@ -394,8 +412,9 @@ def start(config: Config) -> EngineServer:
         core.wait_ready()
     except BaseException:
         core.proc.kill()
+        sock.close(0)
         raise
-    return EngineServer(config, core, tokenizer)
+    return EngineServer(config, core, tokenizer, sock)
 
 
 def main() -> None:
