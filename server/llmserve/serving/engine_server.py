@@ -370,9 +370,9 @@ class EngineServer:
 
 def listen(config: Config) -> zmq.Socket:
     """The adapters' socket, bound on INTER_PROC_PORT before anything else starts. Bound only once the
-    model had loaded, the port could be taken meanwhile as the local end of an outgoing connection (the
-    HTTP front end's to Triton, ...): the default 56666 lies in Linux's ephemeral range, and the engine
-    then failed to bind at every restart while that connection lived."""
+    model had loaded, the port was once found taken on a GPU box at every restart, for minutes (what held
+    it was not seen): the default 56666 lies in Linux's ephemeral range, so the local end of any outgoing
+    connection made meanwhile can take it."""
     sock = zmq.Context.instance().socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
@@ -387,8 +387,8 @@ def listen(config: Config) -> zmq.Socket:
         sock.close(0)
         raise RuntimeError(
             f"INTER_PROC_PORT={config.inter_proc_port}: cannot listen on {endpoint(config.inter_proc_port)} ({e}); "
-            "another process holds it (`ss -tanp | grep :PORT`): choose a free port, preferably below the "
-            "ephemeral range (/proc/sys/net/ipv4/ip_local_port_range)"
+            f"another process holds it (`ss -tanp | grep :{config.inter_proc_port}`): choose a free port, "
+            "preferably below the ephemeral range (/proc/sys/net/ipv4/ip_local_port_range)"
         ) from None
     return sock
 
@@ -400,18 +400,20 @@ def start(config: Config) -> EngineServer:
     from llmserve.engine.tokenizer import load_tokenizer
 
     sock = listen(config)
-    model_dir = resolve_model_dir(config)
-    env = {**os.environ, **config.to_env(), "MODEL_DIR": str(model_dir)}
-    # A CPU model leaves one core to this process and the rest of the stack: with every core its math
-    # threads are preempted at each step's output work, and wait on each other (2 cores: 30% slower).
-    if config.paddle_threads == 0:  # automatic
-        env["LLMSERVE_PADDLE_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) - 1))
-    core = CoreLink(zmq.Context.instance(), env)
+    core = None
     try:
+        model_dir = resolve_model_dir(config)
+        env = {**os.environ, **config.to_env(), "MODEL_DIR": str(model_dir)}
+        # A CPU model leaves one core to this process and the rest of the stack: with every core its math
+        # threads are preempted at each step's output work, and wait on each other (2 cores: 30% slower).
+        if config.paddle_threads == 0:  # automatic
+            env["LLMSERVE_PADDLE_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) - 1))
+        core = CoreLink(zmq.Context.instance(), env)
         tokenizer = load_tokenizer(str(model_dir), use_hf=config.use_hf_tokenizer)
         core.wait_ready()
     except BaseException:
-        core.proc.kill()
+        if core is not None:
+            core.proc.kill()
         sock.close(0)
         raise
     return EngineServer(config, core, tokenizer, sock)
