@@ -93,6 +93,9 @@ def test_a_clean_start_logs_no_error_line(stack):
     names = {p.name for p in stack.log_dir.glob("*.log")}
     assert {"server.log", "engine.log", "triton.log", "http.log"} <= names, names
     assert error_lines(stack.log_dir) == []
+    # The engine core froze what it loaded (engine/heap.py): a model's worth of objects, not a handful.
+    frozen = re.search(r"(\d+) startup objects frozen", (stack.log_dir / "engine.log").read_text())
+    assert frozen and int(frozen.group(1)) > 10_000
     triton_log = (stack.log_dir / "triton.log").read_text()
     assert "Started GRPCInferenceService" in triton_log
     # Without libcuda.so (a CPU machine), Triton's harmless CUDA block-manager error is a warning, saying why.

@@ -256,10 +256,11 @@ def test_time_budget_sets_the_step_count(trained, tmp_path, monkeypatch):
 
     out, cache, _ = trained
     monkeypatch.setitem(
-        trainer.PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], max_steps=None, max_seconds=2, warmup_steps=20)
+        trainer.PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], max_steps=None, max_seconds=3, warmup_steps=20)
     )
     m = _train(tmp_path / "timed", cache, "--tokenizer", str(out))
-    assert m["planned_steps"] > 20 and m["train_seconds"] < 2.5
+    # 3 s: a 2-core machine busy with other work measured 16 steps in 2 s (fewer than the warm-up's 20).
+    assert m["planned_steps"] > 20 and m["train_seconds"] < 3.5
     assert m["steps"] == m["planned_steps"] or (m["stopped_by"] == "time" and m["steps"] > 0.6 * m["planned_steps"])
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "timed" / "train_log.jsonl").read_text().splitlines()]
     if m["stopped_by"] == "steps":  # the cosine ran to its end

@@ -21,6 +21,7 @@ import torch
 import zmq
 
 from llmserve.config import Config
+from llmserve.engine.heap import freeze_startup_objects
 from llmserve.engine.loader import resolve_model_dir
 from llmserve.serving.engine_core import _die_with_parent
 from llmserve.serving.process_exit import exit_now
@@ -72,6 +73,7 @@ def main() -> None:
     hb_addr = store.get("heartbeat").decode()
     threading.Thread(target=_heartbeat, args=(hb_addr, rank, ctx, config.dist_heartbeat_timeout), daemon=True).start()
     runner = model.runner(lay, rank, tp, store)
+    freeze_startup_objects()
     log.info("rank %d ready: %d KV blocks", rank, runner.num_kv_blocks)
     decoder = StepDecoder()
     with torch.inference_mode():

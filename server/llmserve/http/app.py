@@ -18,6 +18,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import os
 import re
 import time
 from collections.abc import Callable
@@ -29,10 +30,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve.config import Config
+from llmserve.engine.heap import freeze_startup_objects
 from llmserve.http.errors import ApiError, Style, error_body, error_response
 from llmserve.http.native import handle_native
 from llmserve.http.openai import handle_chat, handle_completions
-from llmserve.http.server import die_with_parent
+from llmserve.http.server import PARENT_ENV, die_with_parent
 from llmserve.http.triton_client import Backend, TritonBackend
 from llmserve.protocol.native import NativeRequest, is_native_body, served_model_names
 from llmserve.protocol.openai import ChatCompletionRequest, CompletionRequest
@@ -181,6 +183,8 @@ def create_app(
     async def lifespan(app: FastAPI):
         die_with_parent()
         app.state.backend = make_backend(cfg)  # gRPC aio channels belong to this worker's loop
+        if os.environ.get(PARENT_ENV):  # served (not an app a test built): a full collection would
+            freeze_startup_objects()  # stall every stream of this worker
         yield
         await app.state.backend.close()
 

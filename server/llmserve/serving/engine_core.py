@@ -53,6 +53,7 @@ from itertools import zip_longest
 import zmq
 
 from llmserve.config import Config
+from llmserve.engine.heap import freeze_startup_objects
 from llmserve.engine.llm_engine import DuplicateRequestError, LLMEngine
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.sampling_params import SamplingParams
@@ -271,7 +272,13 @@ def main() -> None:
         t1 = time.monotonic()
         warmup(engine, config)
         log.info("warm-up done in %.1f s", time.monotonic() - t1)
-    log.info("engine core ready in %.1f s (overlapped steps: %s)", time.monotonic() - t0, engine.overlap)
+    frozen = freeze_startup_objects()
+    log.info(
+        "engine core ready in %.1f s (overlapped steps: %s; %d startup objects frozen)",
+        time.monotonic() - t0,
+        engine.overlap,
+        frozen,
+    )
     sock = zmq.Context.instance().socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(sys.argv[1])

@@ -32,6 +32,7 @@ import time
 import zmq
 
 from llmserve.config import Config
+from llmserve.engine.heap import freeze_startup_objects
 from llmserve.engine.output_processor import TextState
 from llmserve.protocol import cancelled_response, native
 from llmserve.protocol.native import NativeError
@@ -424,6 +425,7 @@ def main() -> None:
     config = Config.from_env()
     t0 = time.monotonic()
     server = start(config)
+    freeze_startup_objects()
     log.info("engine ready in %.1f s", time.monotonic() - t0)
 
     def stop(*_):
