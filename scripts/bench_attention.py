@@ -8,7 +8,11 @@ torch's scaled_dot_product_attention (flash, causal; K/V repeated to every head)
 prompts laid out densely.
 Every variant's output is compared with the default shape's (max abs difference).
 
-Usage: PYTHONPATH=server python scripts/bench_attention.py --out attn.json
+`--decode` instead times decode-only batches (one query token a sequence, as the runner lays them
+out: its split-KV choice included) for every decode tile in DECODE_VARIANTS, and reports the K/V
+bytes read per second against the copy bandwidth measured in the same run.
+
+Usage: PYTHONPATH=server python scripts/bench_attention.py --out attn.json [--decode]
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import json
 import numpy as np
 import torch
 import torch.nn.functional as F
-from bench_gpu import gpu_ms
+from bench_gpu import copy_bandwidth, gpu_ms
 
 from llmserve.runners.torch.inputs import work_items
 from llmserve.runners.torch.kernels import attention as A
@@ -58,10 +62,80 @@ def case(ctxs: list[int], q_lens: list[int]):
     return q, meta, flops, nxt
 
 
+DECODE_VARIANTS = [
+    A.Tile(16, n, w, s) for n, w, s in itertools.product([32, 64, 128], [2, 4, 8], [2, 3, 4, 5]) if n * s <= 512
+]
+
+
+def decode_main(out: str) -> None:
+    """Decode batches of 1, 64 and 256 sequences with 400-1,000 cached tokens each."""
+    from llmserve.runners.torch.cuda_graphs import decode_splits
+
+    rng = np.random.default_rng(0)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bw = copy_bandwidth()
+    res: dict = {
+        "device": torch.cuda.get_device_name(),
+        "copy_tb_s": bw / 1e12,
+        "default": dataclasses.asdict(A.DECODE_TILE),
+        "cases": {},
+    }
+    default = A.DECODE_TILE
+    for B in (1, 64, 256):
+        ctxs = rng.integers(400, 1001, B).tolist() if B > 1 else [1000]
+        nblk = [-(-(c + 1) // BS) for c in ctxs]
+        bt = torch.zeros(B, max(nblk), dtype=torch.int32)
+        nxt = 0
+        for i, n in enumerate(nblk):
+            bt[i, :n] = torch.arange(nxt, nxt + n)
+            nxt += n
+        kc = torch.randn(nxt, KVH, BS, D, device="cuda", dtype=torch.float16)
+        vc = torch.randn_like(kc)
+        q = torch.randn(B, H, D, device="cuda", dtype=torch.float32)
+        t = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.int32, device="cuda")  # noqa: E731
+        seq_lens = np.asarray(ctxs) + 1
+        kv_bytes = int(seq_lens.sum()) * KVH * D * 2 * 2
+        rows, want = [], None
+        for v in [default] + [v for v in DECODE_VARIANTS if v != default]:
+            A.DECODE_TILE = v
+            try:
+                block_t = A.tile_tokens(H, KVH, decode_only=True)
+                m = A.AttnMeta(t(np.arange(B + 1)), t(seq_lens), bt.cuda(), t(np.arange(B)), t(np.zeros(B)), block_t,
+                               decode_splits(B, KVH, sms))  # fmt: skip
+                o = A.paged_attention(q, kc, vc, m, D**-0.5, torch.bfloat16)
+                ms = gpu_ms(lambda m=m, q=q, kc=kc, vc=vc: A.paged_attention(q, kc, vc, m, D**-0.5, torch.bfloat16), 50)
+            except Exception as e:  # noqa: BLE001 - a shape that does not fit (shared memory)
+                rows.append(dict(tile=dataclasses.asdict(v), error=repr(e)[:200]))
+                continue
+            finally:
+                A.DECODE_TILE = default
+            want = o if want is None else want
+            err = (o.float() - want.float()).abs().max().item()
+            rows.append(
+                dict(
+                    tile=dataclasses.asdict(v),
+                    ms=ms,
+                    kv_tb_s=kv_bytes / ms / 1e9,
+                    of_copy_bw=kv_bytes / ms / 1e-3 / bw,
+                    max_diff=err,
+                )
+            )
+        ok = sorted((r for r in rows if "ms" in r), key=lambda r: r["ms"])
+        res["cases"][f"decode_{B}"] = dict(
+            kv_bytes=kv_bytes, default=rows[0], best=ok[:6], errors=[r for r in rows if "error" in r][:3]
+        )
+        print(f"decode_{B}", json.dumps(dict(default=rows[0], best=ok[:3])), flush=True)
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="attn.json")
+    ap.add_argument("--decode", action="store_true", help="sweep the decode tile on decode-only batches")
     a = ap.parse_args()
+    if a.decode:
+        return decode_main(a.out)
     rng = np.random.default_rng(0)
     cases = {
         "prefill_1848": ([0], [1848]),

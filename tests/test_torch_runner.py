@@ -462,15 +462,15 @@ def test_8b_shaped_logits_and_greedy_match_transformers(tmp_path):
         for i, n in enumerate((300, 37, 700, 129))
     ]
     seen: dict[str, list[torch.Tensor]] = {r.req_id: [] for r in reqs}
-    inner = runner.forward_logits
+    inner = runner._forward  # what every step's `submit` runs (forward_logits is the draft model's entry)
 
-    def recording(batch):
-        logits = inner(batch)
-        for c, row in zip([c for c in batch.chunks if c.sample], logits):
+    def recording(batch, a, ids=None):
+        out = inner(batch, a, ids)
+        for c, row in zip([c for c in batch.chunks if c.sample], out[0]):
             seen[c.request.req_id].append(row.float().cpu())
-        return logits
+        return out
 
-    runner.forward_logits = recording
+    runner._forward = recording
     Driver(runner, chunk=256).run(reqs)
     runner.shutdown()
     del runner
