@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Prepare .whl/: what an offline GPU box needs to run the whole stack (start_server.sh: supervisor,
 # tritonserver with our Python-backend model, the engine with the torch runner, the FastAPI front end)
-# and `llmserve bench` (native, openai-completions, triton-grpc, engine), beyond what its image has.
+# and `llmserve bench` (native, openai-completions, triton-grpc, engine), and pytest for
+# scripts/device_gpu_tests.sh, beyond what its image has.
 #
 # The box (docs/gpu.md, /work/.library/device/KINDS.md): Python 3.12 with torch, numpy 2, transformers,
 # tokenizers, safetensors, jinja2, grpcio, protobuf, msgpack, prometheus-client, aiohttp, ... and no
@@ -35,12 +36,14 @@ PACKAGES=(
   pydantic pydantic-core annotated-types typing-inspection typing-extensions
   fastapi starlette opentelemetry-api uvicorn httptools  # the HTTP front end (fastapi >= 0.16x imports opentelemetry)
   tritonclient python-rapidjson protobuf        # front end, supervisor and bench -> Triton over gRPC
+  pytest pluggy iniconfig   # scripts/device_gpu_tests.sh
 )
 [[ "$CARRY_GRPCIO" == 1 ]] && PACKAGES+=(grpcio)
 declare -A FALLBACK=(
   [pyzmq]=27.3.0 [pydantic]=2.14.3 [pydantic-core]=2.50.4 [annotated-types]=0.8.0 [typing-inspection]=0.4.5
   [typing-extensions]=4.16.0 [fastapi]=0.165.0 [starlette]=1.10.0 [opentelemetry-api]=1.45.2 [uvicorn]=0.54.0 [httptools]=0.9.0
   [tritonclient]=2.73.0 [python-rapidjson]=1.25 [protobuf]=6.33.6 [grpcio]=1.85.1
+  [pytest]=9.2.0 [pluggy]=1.7.0 [iniconfig]=2.3.1
   [nvidia-pytriton]=0.7.0 [numpy]=1.26.4
 )
 ts() { echo "[$(date +%H:%M:%S)] $*"; }

@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import triton_interpreter
 
 from llmserve.runners.torch.kernels import fp8_gemm as F
 from llmserve.runners.torch.kernels import fp8_quant as Q
@@ -423,6 +424,8 @@ def test_interpreted_quantize_kernel(fresh_seed):
 
 @needs_triton
 def test_interpreted_w8a8_gemm(fresh_seed):
+    if why := triton_interpreter.broken():  # the GEMMs loop over K (the quantize kernel does not)
+        pytest.skip(why)
     _run_interpreted("_interp_w8a8", fresh_seed)
 
 
@@ -430,4 +433,6 @@ def test_interpreted_w8a8_gemm(fresh_seed):
 def test_interpreted_weight_only_gemm(fresh_seed):
     """fp16 and fp32 activations. Not bf16: the interpreter's tl.dot multiplies bf16 operands' raw
     uint16 bit patterns as integers (Triton 3.6), so a bf16 result there says nothing of the kernel."""
+    if why := triton_interpreter.broken():
+        pytest.skip(why)
     _run_interpreted("_interp_weight_only", fresh_seed)
