@@ -18,7 +18,8 @@
 #     offline throughput; BENCH_GPU_ARGS, default --skip-hf);
 #  6. $OUT/stack_bench.json (every result, the settings, versions, step times), $OUT/logs.tar.gz (server
 #     and bench logs) and, last on stdout, a table: backend, concurrency, prompts, output tok/s, ratio to
-#     the engine, TPOT p50, TTFT p50 and its difference to the engine's.
+#     the engine, TPOT p50, TTFT p50, its difference to the engine's, and (HTTP backends) TTFT p50 counted
+#     from when the client wrote the request.
 #
 # Workload: --workload random --input-len 512 --output-len 256 --range-ratio 0, greedy; RUNS lists
 # "prompts:concurrency[,concurrency]" sets (default "256:64,256 1024:256"; SMALL "64:16,64 128:64").
@@ -94,15 +95,17 @@ engine = {(c, n): run for b, c, n, run in rows if b == "engine"}
 order = {"engine": 0, "native": 1, "openai-completions": 2, "openai-chat": 3, "triton-grpc": 4}
 print("backend/wN: served through the stack with PUSH_MODE_HTTP_WORKERS=N")
 print(f"{'backend':<22}{'conc':>5}{'prompts':>8}{'out tok/s':>11}{'vs engine':>10}{'TPOT p50':>10}"
-      f"{'TTFT p50':>10}{'Δ engine':>10}{'failed':>7}")
+      f"{'TTFT p50':>10}{'Δ engine':>10}{'from send':>10}{'failed':>7}")
 for b, c, n, run in sorted(rows, key=lambda x: (x[2], x[1] or 0, order.get(x[0].split("/")[0], 9), x[0])):
     e = engine.get((c, n))
     tps, tpot, ttft = run["output_throughput"], run["tpot_ms"]["median"], run["ttft_ms"]["median"]
     ratio = f"{tps / e['output_throughput']:.3f}" if e and e["output_throughput"] else "-"
     delta = f"{ttft - e['ttft_ms']['median']:+.1f}" if e else "-"
     bad = run["failed"] + run.get("output_len_mismatch", 0)
-    print(f"{b:<22}{c or 'inf':>5}{n:>8}{tps:>11.1f}{ratio:>10}{tpot:>10.2f}{ttft:>10.1f}{delta:>10}{bad:>7}")
-print("(ms; 'failed' counts failed requests and outputs of the wrong length; all results in", out, ")")
+    sent = f"{run['ttft_after_send_ms']['median']:.1f}" if "ttft_after_send_ms" in run else "-"
+    print(f"{b:<22}{c or 'inf':>5}{n:>8}{tps:>11.1f}{ratio:>10}{tpot:>10.2f}{ttft:>10.1f}{delta:>10}{sent:>10}{bad:>7}")
+print("(ms; 'from send': TTFT p50 counted from when the client wrote the request (HTTP backends); 'failed'")
+print(" counts failed requests and outputs of the wrong length; all results in", out, ")")
 EOF
 
 log() { printf '[%s +%4ds] %s\n' "$(date +%H:%M:%S)" "$((SECONDS - T_START))" "$*"; }

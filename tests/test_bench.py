@@ -266,6 +266,10 @@ def test_native_metrics_against_known_server(vocab, fresh_seed):
     # When the client wrote each request: after its start, before its first token (the server waits TTFT_S).
     assert all(0 < r.sent < r.ttft and r.ttft - r.sent >= TTFT_S * 0.9 for _, r in ok)
     assert 0 < s["send_ms"]["median"] < s["ttft_ms"]["median"] and "Sent by the client" in format_table(s)
+    after = [r.ttft - r.sent for _, r in ok]
+    assert s["ttft_after_send_ms"]["median"] == pytest.approx(1000 * float(np.median(after)))
+    assert TTFT_S * 900 <= s["ttft_after_send_ms"]["median"] < s["ttft_ms"]["median"]
+    assert "TTFT from the send" in format_table(s)
 
 
 def test_openai_completions_metrics_against_known_server(vocab, fresh_seed):

@@ -91,8 +91,13 @@ def summarize(results: list[RequestResult], duration: float, **meta: object) -> 
         "tpot_ms": _stats(tpots),
         "itl_ms": _stats([g for r in ok for g in r.itl]),
         "e2e_ms": _stats([r.latency for r in ok]),
-        # The client's own share of TTFT in a burst: how long a request waited in this process to be sent.
-        **({"send_ms": _stats([r.sent for r in ok])} if any(r.sent for r in ok) else {}),
+        # The client's own share of TTFT in a burst: how long a request waited in this process to be sent;
+        # and TTFT counted from that send, the server's share (with the network's).
+        **(
+            {"send_ms": _stats([r.sent for r in ok]), "ttft_after_send_ms": _stats([r.ttft - r.sent for r in ok])}
+            if any(r.sent for r in ok)
+            else {}
+        ),
         # Output lengths the server gave vs asked: a server that stops early shows here.
         "output_len_mismatch": sum(1 for r in ok if r.expected_output_len and r.output_len != r.expected_output_len),
         "input_len_mismatch": sum(1 for r in ok if r.expected_input_len and r.input_len != r.expected_input_len),
