@@ -48,6 +48,7 @@ def format_table(summary: dict) -> str:
     if "send_ms" in summary:
         s = summary["send_ms"]
         lines.append(f"{'Sent by the client, median / p90 (ms):':<40}{s['median']:>11.2f} / {s['p90']:<8.2f}")
+    if "ttft_after_send_ms" in summary:  # (not in results saved before it was measured)
         s = summary["ttft_after_send_ms"]
         lines.append(f"{'TTFT from the send, median / p90 (ms):':<40}{s['median']:>11.2f} / {s['p90']:<8.2f}")
     lines += _spec_lines(summary.get("spec_decode"))
