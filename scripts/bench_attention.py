@@ -33,14 +33,24 @@ from llmserve.runners.torch.kernels import attention as A
 H, KVH, D, BS = 32, 8, 128, 64
 
 
-def case(ctxs: list[int], q_lens: list[int]):
-    """(q, meta builder, flops): chunks of q_lens tokens after ctxs cached ones, blocks laid out in order."""
-    nblk = [-(-(c + n) // BS) for c, n in zip(ctxs, q_lens)]
-    bt = torch.zeros(len(ctxs), max(nblk), dtype=torch.int32)
+def _i32(x) -> torch.Tensor:
+    return torch.as_tensor(np.asarray(x), dtype=torch.int32, device="cuda")
+
+
+def block_table(seq_lens) -> tuple[torch.Tensor, int]:
+    """Block table (CPU) of sequences of `seq_lens` tokens, their blocks laid out in order; blocks used."""
+    nblk = [-(-int(n) // BS) for n in seq_lens]
+    bt = torch.zeros(len(nblk), max(nblk), dtype=torch.int32)
     nxt = 0
     for i, n in enumerate(nblk):
         bt[i, :n] = torch.arange(nxt, nxt + n)
         nxt += n
+    return bt, nxt
+
+
+def case(ctxs: list[int], q_lens: list[int]):
+    """(q, meta builder, flops): chunks of q_lens tokens after ctxs cached ones, blocks laid out in order."""
+    bt, nxt = block_table([c + n for c, n in zip(ctxs, q_lens)])
     q_lens_a = np.asarray(q_lens)
     cu = np.concatenate([[0], np.cumsum(q_lens_a)])
     seq_lens = np.asarray(ctxs) + q_lens_a
@@ -52,7 +62,7 @@ def case(ctxs: list[int], q_lens: list[int]):
         single = q_lens_a == 1
         item_seq, item_q = work_items(np.where(single, 0, q_lens_a), block_t)
         dec = np.flatnonzero(single)
-        t = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.int32, device="cuda")  # noqa: E731
+        t = _i32
         return A.AttnMeta(
             t(cu), t(seq_lens), bt.cuda(), t(item_seq), t(item_q), block_t, 1, t(dec), t(np.zeros_like(dec)),
             A.tile_tokens(H, KVH, True),
@@ -84,17 +94,12 @@ def decode_main(out: str) -> None:
     default = A.DECODE_TILE
     for B in (1, 64, 256):
         ctxs = rng.integers(400, 1001, B).tolist() if B > 1 else [1000]
-        nblk = [-(-(c + 1) // BS) for c in ctxs]
-        bt = torch.zeros(B, max(nblk), dtype=torch.int32)
-        nxt = 0
-        for i, n in enumerate(nblk):
-            bt[i, :n] = torch.arange(nxt, nxt + n)
-            nxt += n
+        seq_lens = np.asarray(ctxs) + 1
+        bt, nxt = block_table(seq_lens)
         kc = torch.randn(nxt, KVH, BS, D, device="cuda", dtype=torch.float16)
         vc = torch.randn_like(kc)
         q = torch.randn(B, H, D, device="cuda", dtype=torch.float32)
-        t = lambda x: torch.as_tensor(np.asarray(x), dtype=torch.int32, device="cuda")  # noqa: E731
-        seq_lens = np.asarray(ctxs) + 1
+        t = _i32
         kv_bytes = int(seq_lens.sum()) * KVH * D * 2 * 2
         rows, want = [], None
         for v in [default] + [v for v in DECODE_VARIANTS if v != default]:

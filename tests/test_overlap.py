@@ -122,7 +122,7 @@ def test_a_step_found_done_is_taken_in_before_the_next_launch(checkpoint):
     reqs = workload(seed)
     serial = run(make_engine(checkpoint, overlap=False), reqs)
     mixed = make_engine(checkpoint, overlap=True)
-    launches = as_if_asynchronous(mixed, 0.5, seed)
+    as_if_asynchronous(mixed, 0.5, seed)
     assert run(mixed, reqs) == serial, f"seed {seed}"
 
     engine = make_engine(checkpoint, overlap=True)
