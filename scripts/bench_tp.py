@@ -17,6 +17,8 @@ One run, one JSON (rewritten after every section, so a time limit loses only the
     head's all-gather) at batch 1 and 64, in a CUDA graph over N processes: their time per step.
 
 Usage: PYTHONPATH=server python scripts/bench_tp.py --mp 2 --out tp.json [--model DIR] [--skip check,...]
+[--separate-norm] (each rank's sums and the RMSNorm after them in separate kernels: the fused kernel's
+baseline; run it as its own process, which can give symmetric memory to one group only)
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ from llmserve.runners.torch.random_model import SHAPES, write_random_checkpoint
 R: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "gpus": 0}
 OUT = "tp.json"
 PORT = 29517
+ENGINE_KW: dict = {}  # settings of every engine (--separate-norm)
+PROFILE = False  # --profile
 
 
 def save() -> None:
@@ -57,8 +61,9 @@ def engine_for(model_dir: str, mp: int, **kw) -> LLMEngine:
     global PORT
     PORT += 1
     cfg = dataclasses.replace(
-        Config(), model_dir=model_dir, runner="torch", mp_num=mp, dist_port=PORT, enable_prefix_caching=False, **kw
-    )
+        Config(), model_dir=model_dir, runner="torch", mp_num=mp, dist_port=PORT, enable_prefix_caching=False,
+        **ENGINE_KW, **kw,
+    )  # fmt: skip
     runner = start_executor(model_dir, cfg) if mp > 1 else TorchRunner(model_dir, cfg)
     return LLMEngine(cfg, runner)
 
@@ -138,6 +143,22 @@ def offline(eng: LLMEngine, mp: int, bw: float, model_dir: str) -> dict:
                 vs_roofline=n_out / wall / roof["output_tok_s"], requests_bad=bad)  # fmt: skip
 
 
+def profile_b1(eng: LLMEngine, rng, V: int, steps: int = 64) -> list:
+    """Rank 0's GPU kernels over `steps` batch-1 decode steps (CUDA-graph replays): the 15 that take
+    the most time, as (name, calls a step, us a step)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    p = SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True)
+    eng.add_request("profiled", rng.integers(0, V, 128).tolist(), p)
+    eng.step()  # the prefill, outside the profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        while eng.has_unfinished():
+            eng.step()
+        torch.cuda.synchronize()
+    ev = sorted(prof.key_averages(), key=lambda e: -e.device_time_total)[:15]
+    return [(e.key[:70], round(e.count / steps, 2), round(e.device_time_total / steps, 1)) for e in ev]
+
+
 def decode(model_dir: str, mps: list[int], bw: float, with_offline: bool) -> None:
     """MP_NUM > 1 first: this process, rank 0 of each group, can give symmetric memory to one group only."""
     R["decode"] = {}
@@ -155,6 +176,7 @@ def decode(model_dir: str, mps: list[int], bw: float, with_offline: bool) -> Non
         _, _, trace = run(eng, [(rng.integers(0, V, 128).tolist(), SamplingParams(max_tokens=256, **greedy))])
         dec = trace[1:]
         b1 = (dec[-1][1] - dec[0][0]) / len(dec) * 1e3
+        kernels = profile_b1(eng, rng, V) if PROFILE else None
         reqs = [(rng.integers(0, V, 128).tolist(), SamplingParams(max_tokens=128, **greedy)) for _ in range(64)]
         _, _, trace = run(eng, reqs)
         full = [s for s in trace if s[2] == 64][2:-2]  # steady decode steps of all 64
@@ -162,6 +184,7 @@ def decode(model_dir: str, mps: list[int], bw: float, with_offline: bool) -> Non
         R["decode"][str(mp)] = dict(
             load_s=load, rank0_weight_bytes=runner.model.weight_bytes, b1_ms_per_step=b1, b64_ms_per_step=b64,
             b64_tok_s=64 / b64 * 1e3 if b64 else None, small_sums="one-shot" if tp.one_shot else "NCCL",
+            fused_norm=tp.fused_norm is not None, b1_kernels_us_per_step=kernels,
         )  # fmt: skip
         save()
         if with_offline:
@@ -286,7 +309,7 @@ def allreduce(mps: list[int], mc: dict) -> None:
 
 
 def main() -> None:
-    global OUT
+    global OUT, PROFILE
     ap = argparse.ArgumentParser()
     ap.add_argument("--mp", default="2", help="comma-separated MP_NUM values beside 1")
     ap.add_argument("--model", default="", help="checkpoint for decode (a random llama3-8b is written there if absent)")
@@ -295,8 +318,14 @@ def main() -> None:
     ap.add_argument("--skip", default="", help="comma-separated sections to skip: check,decode,allreduce")
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="of the random checkpoint")
     ap.add_argument("--offline", action="store_true", help="also the 256-request offline workload at each MP_NUM")
+    ap.add_argument(
+        "--separate-norm", action="store_true", help="LLMSERVE_TP_FUSED_NORM=0: sum, then normalize (the baseline)"
+    )
+    ap.add_argument("--profile", action="store_true", help="rank 0's kernels a batch-1 decode step (decode)")
     a = ap.parse_args()
-    OUT = a.out
+    OUT, PROFILE = a.out, a.profile
+    ENGINE_KW["tp_fused_norm"] = not a.separate_norm
+    R["fused_norm_setting"] = not a.separate_norm
     mps = [int(x) for x in a.mp.split(",")]
     skip = set(a.skip.split(","))
     work = Path(a.work)

@@ -301,6 +301,12 @@ class Config:
     )
     paddle_mkldnn: bool = _setting("LLMSERVE_PADDLE_MKLDNN", False, _bool, doc="oneDNN kernels for the Paddle runner")
     cuda_graphs: bool = _setting("LLMSERVE_CUDA_GRAPHS", True, _bool, doc="replay decode steps as CUDA graphs")
+    tp_fused_norm: bool = _setting(
+        "LLMSERVE_TP_FUSED_NORM",
+        True,
+        _bool,
+        doc="MP_NUM>1 on one node: a decode step's sums over the ranks fused with the RMSNorm after each",
+    )
     torch_kernels: str = _setting(
         "LLMSERVE_TORCH_KERNELS",
         "",

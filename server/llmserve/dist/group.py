@@ -26,9 +26,11 @@ class RendezvousError(RuntimeError):
     pass
 
 
-def join(lay: Layout, rank: int, timeout: float, cuda: bool, check=None) -> tuple[TensorParallel, dist.TCPStore]:
+def join(
+    lay: Layout, rank: int, timeout: float, cuda: bool, check=None, fused_norm: bool = True
+) -> tuple[TensorParallel, dist.TCPStore]:
     """Meet the other ranks and join the process group (NCCL when `cuda`, else gloo). `check()`, called
-    while rank 0 waits, raises when a rank it started died meanwhile."""
+    while rank 0 waits, raises when a rank it started died meanwhile. `fused_norm`: LLMSERVE_TP_FUSED_NORM."""
     where = f"{lay.master}:{lay.port}"
     try:
         store = dist.TCPStore(
@@ -60,6 +62,8 @@ def join(lay: Layout, rank: int, timeout: float, cuda: bool, check=None) -> tupl
     dist.init_process_group(backend, store=store, rank=rank, world_size=lay.world, timeout=timedelta(seconds=timeout))
     tp = TensorParallel(rank, lay.world, dist.group.WORLD)
     if cuda and lay.nodes == 1:  # NVLink peers: small sums (decode steps) in one kernel
-        tp = with_one_shot(tp)
-        log.info("rank %d: sums up to %d KB %s", rank, tp.one_shot_bytes >> 10, "one-shot" if tp.one_shot else "NCCL")
+        tp = with_one_shot(tp, fused_norm)
+        how = "one-shot" if tp.one_shot else "NCCL"
+        fused = ", fused with the norm after them" if tp.fused_norm else ""
+        log.info("rank %d: sums up to %d KB %s%s", rank, tp.one_shot_bytes >> 10, how, fused)
     return tp, store

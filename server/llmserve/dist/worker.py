@@ -64,7 +64,7 @@ def main() -> None:
         torch.cuda.set_device(rank % lay.per_node)
     else:
         torch.set_num_threads(threads_per_rank(lay))
-    tp, store = join(lay, rank, config.dist_timeout, cuda)
+    tp, store = join(lay, rank, config.dist_timeout, cuda, fused_norm=config.tp_fused_norm)
     ctx = zmq.Context.instance()
     steps = ctx.socket(zmq.DEALER)
     steps.setsockopt(zmq.LINGER, 0)

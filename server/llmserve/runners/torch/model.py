@@ -176,9 +176,9 @@ class DecoderModel:
         x = rms_norm(h, self.layers[0].in_norm, eps) if self.layers else h
         for i, lw in enumerate(self.layers):
             if i > 0:
-                x = rms_norm(h, lw.in_norm, eps, residual)
+                x = self.tp.sum_norm(h, lw.in_norm, eps, residual)
             h = self.layer(lw, x, residual, positions, slot_mapping, meta, kv_cache.layer(i))
-        return rms_norm(h, self.norm, eps, residual)
+        return self.tp.sum_norm(h, self.norm, eps, residual)
 
     def layer(
         self,
@@ -191,8 +191,9 @@ class DecoderModel:
         kv: LayerKV,
     ) -> torch.Tensor:
         """One decoder layer on its normed input `x` [T, hidden]: attention (writing K/V into `kv`,
-        KVCache.layer), `residual += attention output`, then the MLP, whose output it returns (the
-        caller adds it to the residual with the next norm)."""
+        KVCache.layer), `residual += attention output`, then the MLP, whose output it returns: this
+        rank's part of it, which the caller sums over the ranks and adds to the residual with the next
+        norm (`self.tp.sum_norm`)."""
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         T = x.shape[0]
         # q stays fp32 through rotary into attention; k and v are rounded once, into the (fp16) cache.
@@ -201,9 +202,9 @@ class DecoderModel:
         rope_and_cache(qkv, positions, slot_mapping, self.cos_sin, k, v, H, KVH, k_scale, v_scale)
         q = qkv[:, : H * D].view(T, H, D)
         attn = paged_attention(q, k, v, meta, self.scale, self.dtype, k_scale, v_scale)
-        h = self.tp.all_reduce(lw.o(attn.view(T, H * D), self.out_dtype))  # row-parallel: sum the ranks'
-        x = rms_norm(h, lw.post_norm, self.cfg.rms_norm_eps, residual)
-        return self.tp.all_reduce(lw.down(swiglu(lw.gate_up(x, self.out_dtype), self.dtype), self.out_dtype))
+        h = lw.o(attn.view(T, H * D), self.out_dtype)  # row-parallel: the ranks' parts are summed with the norm
+        x = self.tp.sum_norm(h, lw.post_norm, self.cfg.rms_norm_eps, residual)
+        return lw.down(swiglu(lw.gate_up(x, self.out_dtype), self.dtype), self.out_dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """With `wide`, written in fp32 by cuBLAS instead of rounded to bf16. With several ranks, each

@@ -130,7 +130,7 @@ class MTPHead:
         h = w.eh_proj(cat, m.out_dtype)
         residual = h.float()
         out = m.layer(w.layer, rms_norm(h, w.layer.in_norm, eps), residual, x.positions, x.slot_mapping, x.meta, kv)
-        return rms_norm(out, w.norm, eps, residual)
+        return m.tp.sum_norm(out, w.norm, eps, residual)
 
     def _row(self, req_id: str) -> int:
         r = self.rows.get(req_id)

@@ -20,6 +20,8 @@ import torch.nn.functional as F
 from llmserve.config import ConfigError
 from llmserve.models.config import ModelConfig
 
+from .kernels.norm import rms_norm
+
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the new name (torch 2.12+)
 
 
@@ -31,6 +33,8 @@ class TensorParallel:
     # Sums of at most `one_shot_bytes` (decode steps) through `one_shot` (OneShotAllReduce), else NCCL.
     one_shot: object = None
     one_shot_bytes: int = 0
+    # Sums followed by an RMSNorm, of at most its bytes, through one kernel (kernels/sum_norm.py).
+    fused_norm: object = None
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum over ranks, in place (nothing to do on one rank)."""
@@ -40,6 +44,14 @@ class TensorParallel:
             return self.one_shot(x)
         dist.all_reduce(x, group=self.group)
         return x
+
+    def sum_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of `residual += the ranks' sum of x` (a row-parallel projection's partial output)."""
+        if self.size > 1:
+            if self.fused_norm is not None and self.fused_norm.fits(x, residual):
+                return self.fused_norm(x, w, eps, residual)
+            x = self.all_reduce(x)
+        return rms_norm(x, w, eps, residual)
 
     def all_gather_cols(self, x: torch.Tensor) -> torch.Tensor:
         """[T, C] per rank -> [T, N*C], rank 0's columns first."""
@@ -95,8 +107,9 @@ class OneShotAllReduce:
 _one_shot_taken = False  # this process has set up symmetric memory for a group already
 
 
-def with_one_shot(tp: TensorParallel) -> TensorParallel:
-    """`tp` with the one-shot all-reduce for small sums, or as it is where this torch or GPU has none.
+def with_one_shot(tp: TensorParallel, fused_norm: bool = True) -> TensorParallel:
+    """`tp` with the one-shot all-reduce for small sums, or as it is where this torch or GPU has none,
+    and with `fused_norm` the fused sum + RMSNorm too (with_fused_norm).
     Checked once on fresh data: its sum must be NCCL's, and bit-identical on every rank (each rank sums
     for itself, and the ranks must sample the same tokens from the same logits)."""
     global _one_shot_taken
@@ -119,9 +132,46 @@ def with_one_shot(tp: TensorParallel) -> TensorParallel:
     every = tp.all_gather_cols(got)  # [8, N * 1024]: every rank's result side by side
     same = all(torch.equal(every[:, r * 1024 : (r + 1) * 1024], got) for r in range(tp.size))
     ok = same and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
+    if _agree(ok, tp):
+        tp = replace(tp, one_shot=one_shot, one_shot_bytes=ONE_SHOT_BYTES)
+    return with_fused_norm(tp) if fused_norm else tp
+
+
+def _agree(ok: bool, tp: TensorParallel) -> bool:
+    """True on every rank when `ok` is true on every rank: all ranks take the same path."""
     agreed = torch.tensor([int(ok)], device="cuda")
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=tp.group)  # every rank takes the same path
-    return replace(tp, one_shot=one_shot, one_shot_bytes=ONE_SHOT_BYTES) if agreed.item() else tp
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN, group=tp.group)
+    return bool(agreed.item())
+
+
+def with_fused_norm(tp: TensorParallel) -> TensorParallel:
+    """`tp` with the fused sum + RMSNorm for decode-sized steps, where its symmetric memory works. Checked
+    once on fresh data against the separate sum and norm: bit-identical on every rank, and close to them
+    (rows of 1, 3 and the most it takes, twice each: both halves of its buffer)."""
+    from .kernels.sum_norm import FusedSumNorm
+
+    if tp.size & (tp.size - 1):  # its kernel spans the ranks with tl.arange: a power of two
+        return tp
+    gen = torch.Generator("cuda").manual_seed(1234 + tp.rank)
+    ok, fused = True, None
+    try:
+        fused = FusedSumNorm(tp.group, tp.rank, tp.size, ONE_SHOT_BYTES)
+        n = 1024
+        w = torch.rand(n, device="cuda", generator=torch.Generator("cuda").manual_seed(99)).to(torch.bfloat16)
+        for rows in (1, 3, ONE_SHOT_BYTES // (4 * n), 1, 3, ONE_SHOT_BYTES // (4 * n)):
+            x = torch.randn(rows, n, device="cuda", generator=gen)
+            res = torch.randn(rows, n, device="cuda", generator=torch.Generator("cuda").manual_seed(rows))
+            want_res, got_res = res.clone(), res.clone()
+            want = rms_norm(tp.all_reduce(x.clone()), w, 1e-5, want_res)
+            got = fused(x, w, 1e-5, got_res)
+            every = tp.all_gather_cols(torch.cat([got.float(), got_res], 1))
+            k = 2 * n
+            ok &= all(torch.equal(every[:, r * k : (r + 1) * k], every[:, :k]) for r in range(tp.size))
+            ok &= torch.allclose(got_res, want_res, rtol=1e-5, atol=1e-5)
+            ok &= torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2)
+    except Exception:  # noqa: BLE001 - no symmetric memory or peer access here: the separate path
+        ok = False
+    return replace(tp, fused_norm=fused) if _agree(ok, tp) else tp
 
 
 def check_shardable(mc: ModelConfig, n: int) -> None:

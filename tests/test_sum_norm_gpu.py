@@ -1,0 +1,114 @@
+"""The fused sum over ranks + residual + RMSNorm (kernels/sum_norm.py) on two real GPUs over NCCL.
+
+Each rank gets fresh random partials; the reference is the float64 sum of every rank's partial (gathered
+by NCCL), added to the residual, normalized in float64. Checked eagerly over rows of 1 to 64 (both
+halves of the buffer, the epochs of rows that skip calls) and replayed in a CUDA graph with new data,
+and every rank must get the same bits. Needs two CUDA devices (skipped otherwise; CI has none).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+pytestmark = pytest.mark.gpu
+
+N = 4096
+
+
+def _reference(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float, group) -> tuple:
+    import torch.distributed as dist
+
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    s = res.double() + sum(p.double() for p in parts)
+    y = s * torch.rsqrt(s.pow(2).mean(-1, keepdim=True) + eps) * w.double()
+    return s, y
+
+
+def _rank(rank: int, world: int, port: int, q) -> None:
+    import torch.distributed as dist
+
+    from llmserve.runners.torch.parallel import TensorParallel, with_one_shot
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    tp = with_one_shot(TensorParallel(rank, world, dist.group.WORLD))
+    out: dict = {"rank": rank, "fused": tp.fused_norm is not None, "errors": [], "same": []}
+    if tp.fused_norm is not None:
+        gen = torch.Generator("cuda").manual_seed(100 + rank)
+        w = torch.rand(N, device="cuda", generator=torch.Generator("cuda").manual_seed(7)).to(torch.bfloat16)
+        res_gen = torch.Generator("cuda").manual_seed(5)  # the residual is the same on every rank
+
+        def check(got, got_res, x, res0):
+            s, y = _reference(x, res0, w, 1e-5, dist.group.WORLD)
+            out["errors"].append(
+                ((got_res.double() - s).abs().max().item(), (got.double() - y).abs().max().item(), y.abs().max().item())
+            )
+            mine = torch.cat([got.float(), got_res], 1)
+            every = [torch.empty_like(mine) for _ in range(world)]
+            dist.all_gather(every, mine, group=dist.group.WORLD)
+            out["same"].append(all(torch.equal(e, mine) for e in every))
+
+        for rows in (1, 2, 64, 5, 1, 33, 64, 1):
+            x = torch.randn(rows, N, device="cuda", generator=gen)
+            res0 = torch.randn(rows, N, device="cuda", generator=res_gen)
+            got_res = res0.clone()
+            got = tp.sum_norm(x, w, 1e-5, got_res)
+            check(got, got_res, x, res0)
+        # A CUDA graph of two sums in a row (as a layer has), replayed on new data.
+        rows = 8
+        sx, sres = torch.zeros(rows, N, device="cuda"), torch.zeros(rows, N, device="cuda")
+        sy = torch.zeros(rows, N, device="cuda")
+        tp.sum_norm(sx, w, 1e-5, sres.clone())  # warm-up outside the capture (compiles the kernel)
+        g = torch.cuda.CUDAGraph()
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g):
+            a = tp.sum_norm(sx, w, 1e-5, sres)
+            b = tp.sum_norm(sy, w, 1e-5, sres)
+        for _ in range(3):
+            x1 = torch.randn(rows, N, device="cuda", generator=gen)
+            x2 = torch.randn(rows, N, device="cuda", generator=gen)
+            res0 = torch.randn(rows, N, device="cuda", generator=res_gen)
+            sx.copy_(x1)
+            sy.copy_(x2)
+            sres.copy_(res0)
+            g.replay()
+            torch.cuda.synchronize()
+            s1, y1 = _reference(x1, res0, w, 1e-5, dist.group.WORLD)
+            s2, y2 = _reference(x2, s1.float(), w, 1e-5, dist.group.WORLD)
+            out["errors"].append((0.0, (a.double() - y1).abs().max().item(), y1.abs().max().item()))
+            out["errors"].append(
+                ((sres.double() - s2).abs().max().item(), (b.double() - y2).abs().max().item(), y2.abs().max().item())
+            )
+    q.put(out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_fused_sum_norm_matches_the_float64_reference_on_two_gpus():
+    import torch.multiprocessing as mp
+
+    from llmserve.serving.testing import free_ports
+
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = free_ports(1)[0]
+    procs = [ctx.Process(target=_rank, args=(r, 2, port, q)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = [q.get(timeout=300) for _ in procs]
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    for r in results:
+        assert r["fused"], "the fused kernel failed its start-up check"
+        assert all(r["same"]), "ranks got different bits"
+        for res_err, y_err, scale in r["errors"]:
+            assert res_err < 1e-4  # fp32 sums of O(1) values
+            assert y_err < 2e-2 * max(1.0, scale)  # bf16 output
