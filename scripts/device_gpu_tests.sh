@@ -17,6 +17,9 @@ mkdir -p "$OUT"
 if compgen -G ".whl/*.whl" >/dev/null; then
   "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
 fi
+# The whole-stack tests need tritonserver (the cut-down nvidia-pytriton) and numpy<2 for its stub.
+"$PY" scripts/device_unpack.py /tmp/site /tmp/stub-site .whl
+[[ -d /tmp/stub-site/numpy ]] && export LLMSERVE_TRITON_STUB_PYTHONPATH=/tmp/stub-site
 export PYTHONPATH="$PWD/server:/tmp/site" LLMSERVE_GPU_BIG="${LLMSERVE_GPU_BIG:-1}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 TESTS="${TESTS:-$(grep -lE "HAS_CUDA|cuda.is_available|mark.gpu" tests/test_*.py | tr '\n' ' ')}"

@@ -132,16 +132,6 @@ has_phase() { [[ ",$PHASES," == *",$1,"* ]]; }
 # ---- 1. install ------------------------------------------------------------------------------
 export PYTHONPATH="$REPO/server${PYTHONPATH:+:$PYTHONPATH}"
 if [[ "${SKIP_INSTALL:-0}" != 1 && -d "$WHL" ]]; then
-  cat >"$WORK/unpack.py" <<'EOF'
-import sys, tarfile
-from pathlib import Path
-for name, dest in (("pytriton-min.tar.xz", sys.argv[1]), ("stub-numpy.tar.xz", sys.argv[2])):
-    p = Path(sys.argv[3]) / name
-    if p.is_file():
-        with tarfile.open(p) as t:
-            t.extractall(dest, **({"filter": "tar"} if hasattr(tarfile, "tar_filter") else {}))
-        print(f"unpacked {name} into {dest}")
-EOF
   export PY SITE STUB_SITE WORK WHL
   # shellcheck disable=SC2016
   step install 30 bash -ec '
@@ -149,7 +139,7 @@ EOF
       "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL"/*.whl
       echo "installed $(ls "$WHL"/*.whl | wc -l) wheels into $SITE"
     fi
-    "$PY" "$WORK/unpack.py" "$SITE" "$STUB_SITE" "$WHL"' || log "install failed: the steps below may fail too"
+    "$PY" scripts/device_unpack.py "$SITE" "$STUB_SITE" "$WHL"' || log "install failed: the steps below may fail too"
 fi
 [[ -d "$SITE" ]] && export PYTHONPATH="$PYTHONPATH:$SITE"
 [[ -d "$STUB_SITE/numpy" ]] && export LLMSERVE_TRITON_STUB_PYTHONPATH="$STUB_SITE"
