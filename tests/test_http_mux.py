@@ -117,7 +117,7 @@ def test_the_shared_stream_forgets_every_request(stack):
             mux = backend._stream_mux()
             mux._abort("early")  # the engine knows no "early" yet: nothing happens
             raw = json.dumps({**body(0), "req_id": "early"}).encode()
-            tid, _ = mux.open(raw)
+            tid, _ = mux.open(raw, "early")
             mux.routes.pop(tid)  # the reader left, its abort (above) already sent
             mux.abandoned[tid] = "early"
             deadline = time.monotonic() + 10

@@ -47,6 +47,7 @@ def stack(tmp_path_factory):
     env = dict(os.environ, **ports, LOG_DIR=str(log_dir), LLMSERVE_HOST="127.0.0.1", PUSH_MODE_HTTP_WORKERS="2")
     # MAX_DEC_LEN 4096: room for requests that outlast any disconnect (test_disconnect_frees_kv_blocks).
     env |= {"MAX_SEQ_LEN": "4096", "MAX_DEC_LEN": "4096", "BLOCK_BS": "8", "BATCH_SIZE": "64", "API_KEY": ""}
+    env["LLMSERVE_INTAKE_TRACE"] = str(log_dir / "intake.txt")  # test_intake_trace_marks_every_layer_in_order
     env.pop("MODEL_DIR", None)
     env["LLMSERVE_START_TIMEOUT"] = "300"  # the first run may build the demo model
     started = subprocess.run([str(ROOT / "start_server.sh")], env=env, capture_output=True, text=True, timeout=400)
@@ -313,6 +314,44 @@ def test_64_concurrent_streams(stack):
     assert [n for n, _ in results] == [n_tokens] * 64
     assert len({r for _, r in results}) == 64
     assert time.monotonic() - t0 < 120
+
+
+def test_intake_trace_marks_every_layer_in_order(stack):
+    """LLMSERVE_INTAKE_TRACE: every process of the stack appends its marks to one file; each request
+    has one mark a layer, in the order it met them; scripts/intake_report.py summarizes the file."""
+    from llmserve.serving.intake_trace import LAYERS
+
+    url = stack["base"] + "/v1/chat/completions"
+    ids = [f"trace-{i}-{uuid.uuid4().hex[:6]}" for i in range(8)]
+
+    def one(rid: str) -> None:
+        body = {"text": f"trace {rid}", "max_dec_len": 4, "stream": True, "req_id": rid}
+        with requests.post(url, json=body, stream=True, timeout=120) as r:
+            assert r.status_code == 200, r.text
+            assert json.loads(list(r.iter_lines())[-1])["is_end"] == 1
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(one, ids))
+    trace = Path(stack["env"]["LLMSERVE_INTAKE_TRACE"])
+    marks: dict[str, list[tuple[str, float]]] = {}
+    for line in trace.read_text().splitlines():
+        t, layer, rid = line.split()
+        marks.setdefault(rid, []).append((layer, float(t)))
+    for rid in ids:
+        got = dict(marks.get(rid, []))
+        assert sorted(got) == sorted(LAYERS) and len(marks[rid]) == len(LAYERS), marks.get(rid)
+        # In the order the request met them; `http_sent` (the writer's await returned) may follow the
+        # adapter's mark, never the worker's own `http`.
+        path = [got[la] for la in LAYERS if la != "http_sent"]
+        assert path == sorted(path), marks[rid]
+        assert got["http"] <= got["http_sent"] <= got["http_first"], marks[rid]
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "scripts/intake_report.py"), str(trace), "--gap", "3600"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for hop in ("http->adapter", "adapter->server", "server_first->http_first", "http->http_sent"):
+        assert hop in r.stdout, r.stdout
 
 
 @pytest.mark.parametrize(

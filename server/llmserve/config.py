@@ -140,6 +140,12 @@ class Config:
         _str,
         doc="diagnosis: append one line per engine step to this file (docs/engine.md: the step trace)",
     )
+    intake_trace: str = _setting(
+        "LLMSERVE_INTAKE_TRACE",
+        "",
+        _str,
+        doc="diagnosis: append when each layer takes in each request to this file (serving/intake_trace.py)",
+    )
     # ports
     health_http_port: int = _setting("HEALTH_HTTP_PORT", 8110, _port, "HTTP_PORT", doc="health probes")
     service_grpc_port: int = _setting("SERVICE_GRPC_PORT", 8811, _port, "GRPC_PORT", doc="Triton gRPC")

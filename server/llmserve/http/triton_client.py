@@ -40,6 +40,7 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 
 from llmserve.protocol import ABORT_PARAM
 from llmserve.protocol.native import error_response
+from llmserve.serving import intake_trace
 from llmserve.triton.channel import channel_args
 from llmserve.triton.launcher import MODEL_NAME
 
@@ -91,11 +92,11 @@ class _Mux:
         self.dead = False
         self.tasks = [asyncio.create_task(self._write()), asyncio.create_task(self._read())]
 
-    def open(self, raw: bytes) -> tuple[str, asyncio.Queue]:
+    def open(self, raw: bytes, req_id: str) -> tuple[str, asyncio.Queue]:
         tid = self.prefix + str(next(self.ids))
         q: asyncio.Queue = asyncio.Queue()
         self.routes[tid] = q
-        self.outbox.put_nowait(_request(self.model, tid, raw))
+        self.outbox.put_nowait((req_id, _request(self.model, tid, raw)))
         return tid, q
 
     def leave(self, tid: str, req_id: str) -> None:
@@ -107,12 +108,15 @@ class _Mux:
     def _abort(self, req_id: str) -> None:
         tid = self.prefix + "abort-" + str(next(self.ids))
         raw = json.dumps({"req_id": req_id}, ensure_ascii=False).encode()
-        self.outbox.put_nowait(_request(self.model, tid, raw, abort=True))
+        self.outbox.put_nowait((None, _request(self.model, tid, raw, abort=True)))
 
     async def _write(self) -> None:
         try:
             while True:
-                await self.call.write(await self.outbox.get())
+                req_id, msg = await self.outbox.get()  # req_id: None for an abort
+                await self.call.write(msg)
+                if req_id is not None:
+                    intake_trace.mark("http_sent", req_id)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # the call failed: the reader sees it too
@@ -207,10 +211,12 @@ class TritonBackend:
             body = {**body, "req_id": req_id}
         raw = json.dumps(body, ensure_ascii=False).encode()
         mux = self._stream_mux()
-        tid, q = mux.open(raw)
+        intake_trace.mark("http", req_id)
+        tid, q = mux.open(raw, req_id)
         # Capped: a huge `timeout` (1e308, Infinity) must not overflow the loop's clock.
         timeout = min(float(body.get("timeout") or 300.0), MAX_STREAM_S) + STREAM_SLACK_S
         guard = asyncio.get_running_loop().call_later(timeout, q.put_nowait, _TIMED_OUT)
+        first = True
         try:
             while True:
                 item = await q.get()
@@ -219,6 +225,9 @@ class TritonBackend:
                     return
                 if item.get("req_id") is None:  # the call's own failure
                     item["req_id"] = req_id
+                if first:  # the request's first response: its first token, or its error
+                    intake_trace.mark("http_first", req_id)
+                    first = False
                 yield item
                 if item.get("is_end") or item.get("error_code"):
                     return

@@ -36,7 +36,7 @@ from llmserve.engine.heap import freeze_startup_objects
 from llmserve.engine.output_processor import TextState
 from llmserve.protocol import cancelled_response, native
 from llmserve.protocol.native import NativeError
-from llmserve.serving import responses
+from llmserve.serving import intake_trace, responses
 from llmserve.serving.engine_core import CoreLink, spec_sum
 from llmserve.serving.ipc import HEARTBEAT_S, dumps, endpoint, loads
 from llmserve.serving.process_exit import exit_now
@@ -188,6 +188,7 @@ class EngineServer:
             lv.prompt = self.speller.prompt(ids, None)
         self.live[req_id] = self.by_core_id[core_id] = lv
         self.d_prompt += len(ids)
+        intake_trace.mark("server", req_id)
 
     def _end(self, req_id: str) -> Live | None:
         """Forget a request in flight and abort it in the core (which then sends nothing more for it)."""
@@ -266,6 +267,7 @@ class EngineServer:
                 lv.logprobs += logprobs
             if lv.first_token_time is None and new_ids:
                 lv.first_token_time = now
+                intake_trace.mark("server_first", req_id)
             if reason is not None:
                 self._forget(lv)
                 self._send(lv, responses.item(lv, self.stream, new_ids, new_text, logprobs, reason, num_cached))

@@ -60,6 +60,7 @@ import zmq
 
 from llmserve.config import Config
 from llmserve.protocol import ABORT_PARAM, cancelled_response, error_response
+from llmserve.serving import intake_trace
 from llmserve.serving.ipc import EngineLink, dumps
 
 log = logging.getLogger("llmserve.triton")
@@ -174,6 +175,7 @@ class TritonPythonModel:
                     continue
                 req_id = str(body.get("req_id") or req_id or uuid.uuid4())
                 body["req_id"] = req_id
+                intake_trace.mark("adapter", req_id)
                 # JSON text (ASCII: a lone surrogate survives it): the engine parses and validates it
                 # once. The req_id beside it lets the engine route a rejection without parsing.
                 msg = dumps({"op": "add", "req_id": req_id, "body": json.dumps(body)})
