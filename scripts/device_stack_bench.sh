@@ -16,7 +16,8 @@
 #     8B model at a time leaves the KV cache the same room);
 #  5. phase "gpu" (RUN_BENCH_GPU=1): scripts/bench_gpu.py (single-stream decode vs the bandwidth floor,
 #     offline throughput; BENCH_GPU_ARGS, default --skip-hf);
-#  6. $OUT/stack_bench.json (every result, the settings, versions, step times), $OUT/logs.tar.gz (server
+#  6. $OUT/stack_bench.json (every result, the settings, versions, step times, and each served bench's
+#     intake hops: LLMSERVE_INTAKE_TRACE, scripts/intake_report.py), $OUT/logs.tar.gz (server
 #     and bench logs) and, last on stdout, a table: backend, concurrency, prompts, output tok/s, ratio to
 #     the engine, TPOT p50, TTFT p50, its difference to the engine's, and (HTTP backends) TTFT p50 counted
 #     from when the client wrote the request.
@@ -81,6 +82,7 @@ bundle = {
     "preflight": json.loads(pre.read_text()) if pre.is_file() and pre.read_text().strip() else None,
     "steps": [dict(zip(("step", "rc", "seconds"), line.split("\t"))) for line in steps.read_text().splitlines()],
     "results": results,
+    "intake": {p.stem: json.loads(p.read_text()) for p in sorted((res.parents[1] / "intake").glob("*.json"))},
 }
 out.write_text(json.dumps(bundle, indent=1) + "\n")
 if not table:
@@ -225,7 +227,7 @@ log "model: $MODEL_DIR"
 # Results of one model and workload are kept (on a machine that stays up) until FRESH=1, so that
 # `PHASES=stack` and then `PHASES=engine` in two calls give one table.
 RES="$WORK/results/$(basename "$MODEL_DIR")-i$INPUT_LEN-o$OUTPUT_LEN-b$BATCH_SIZE"
-[[ "${FRESH:-0}" == 1 ]] && rm -rf "$RES"
+[[ "${FRESH:-0}" == 1 ]] && rm -rf "$RES" "$WORK/intake"
 mkdir -p "$RES"
 
 # Each `llmserve bench` gets prompts of its own (--seed SEED, counted up): the stack keeps its prefix
@@ -240,6 +242,7 @@ bench() {  # bench BACKEND PROMPTS CONCURRENCY-LIST
   [[ "$b" == engine ]] || name="$name-w$PUSH_MODE_HTTP_WORKERS"
   [[ "$b" == engine ]] || extra+=(--client-processes "${CLIENT_PROCESSES:-1}")
   log "bench $name: output in $WORK/bench-logs/$name.log"
+  : >"$WORK/intake.txt"  # this bench's marks only
   step "bench $name" 30 "$PY" -m llmserve.cli bench --backend "$b" "${extra[@]}" --workload random \
     --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --range-ratio 0 --temperature 0 --seed "$SEED" \
     --num-prompts "$p" --max-concurrency "$c" --num-warmups "$NUM_WARMUPS" --timeout 300 \
@@ -255,6 +258,10 @@ for r in json.load(open(sys.argv[1]))["runs"]:
 EOF
   else
     tail -n 15 "$WORK/bench-logs/$name.log"
+  fi
+  if [[ "$b" != engine && -s "$WORK/intake.txt" ]]; then
+    mkdir -p "$WORK/intake"
+    "$PY" scripts/intake_report.py "$WORK/intake.txt" --json "$WORK/intake/$name.json" | sed 's/^/    /'
   fi
   "$PY" "$WORK/summary.py" "$RES" "$OUT/stack_bench.json" "$WORK/preflight.json" "$STEPS"  # files so far
   return $rc
@@ -286,7 +293,9 @@ trap 'exit 130' INT TERM
 # ---- 3. the stack ----------------------------------------------------------------------------
 if has_phase stack && ((STACK_OK)); then
   STACK_UP=1  # from here on stop it at the end, started or not (a start cut short leaves it running)
-  if step start_server 120 ./start_server.sh; then
+  # Every process of the stack marks when it took in each request (serving/intake_trace.py); each
+  # bench's marks become its hops' delays (scripts/intake_report.py) in stack_bench.json's "intake".
+  if LLMSERVE_INTAKE_TRACE="$WORK/intake.txt" step start_server 120 ./start_server.sh; then
     for run in $RUNS; do  # every backend on one workload before the next workload
       for b in ${BACKENDS//,/ }; do bench "$b" "${run%%:*}" "${run#*:}"; done
     done
