@@ -14,11 +14,8 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gpu-tests}"
 PY="${PY:-python3}"
 mkdir -p "$OUT"
-if compgen -G ".whl/*.whl" >/dev/null; then
-  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN
-fi
 # The whole-stack tests need tritonserver (the cut-down nvidia-pytriton) and numpy<2 for its stub.
-"$PY" scripts/device_unpack.py /tmp/site /tmp/stub-site .whl
+[[ -d .whl ]] && bash scripts/device_install.sh /tmp/site /tmp/stub-site .whl "$PY"
 [[ -d /tmp/stub-site/numpy ]] && export LLMSERVE_TRITON_STUB_PYTHONPATH=/tmp/stub-site
 export PYTHONPATH="$PWD/server:/tmp/site" LLMSERVE_GPU_BIG="${LLMSERVE_GPU_BIG:-1}"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader

@@ -134,14 +134,8 @@ has_phase() { [[ ",$PHASES," == *",$1,"* ]]; }
 # ---- 1. install ------------------------------------------------------------------------------
 export PYTHONPATH="$REPO/server${PYTHONPATH:+:$PYTHONPATH}"
 if [[ "${SKIP_INSTALL:-0}" != 1 && -d "$WHL" ]]; then
-  export PY SITE STUB_SITE WORK WHL
-  # shellcheck disable=SC2016
-  step install 30 bash -ec '
-    if compgen -G "$WHL/*.whl" >/dev/null; then
-      "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHL"/*.whl
-      echo "installed $(ls "$WHL"/*.whl | wc -l) wheels into $SITE"
-    fi
-    "$PY" scripts/device_unpack.py "$SITE" "$STUB_SITE" "$WHL"' || log "install failed: the steps below may fail too"
+  step install 30 bash scripts/device_install.sh "$SITE" "$STUB_SITE" "$WHL" "$PY" ||
+    log "install failed: the steps below may fail too"
 fi
 [[ -d "$SITE" ]] && export PYTHONPATH="$PYTHONPATH:$SITE"
 [[ -d "$STUB_SITE/numpy" ]] && export LLMSERVE_TRITON_STUB_PYTHONPATH="$STUB_SITE"

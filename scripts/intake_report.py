@@ -17,6 +17,7 @@ import json
 import sys
 from pathlib import Path
 
+from llmserve.bench.metrics import stats
 from llmserve.serving.intake_trace import LAYERS
 
 
@@ -43,11 +44,6 @@ def groups(reqs: dict[str, dict[str, float]], gap: float) -> list[list[dict[str,
     return out
 
 
-def _pct(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
-
-
 def summarize(group: list[dict[str, float]]) -> dict:
     layers = [la for la in LAYERS if any(la in m for m in group)]
     spread = {la: 1e3 * (max(m[la] for m in group if la in m) - min(m[la] for m in group if la in m)) for la in layers}
@@ -55,9 +51,9 @@ def summarize(group: list[dict[str, float]]) -> dict:
     path = [la for la in layers if la != "http_sent"]  # its mark may follow the adapter's: a side hop
     pairs = list(zip(path, path[1:])) + ([("http", "http_sent")] if "http_sent" in layers else [])
     for a, b in pairs:
-        d = [1e3 * (m[b] - m[a]) for m in group if a in m and b in m]
+        d = [m[b] - m[a] for m in group if a in m and b in m]  # seconds
         if d:
-            hops[f"{a}->{b}"] = {"n": len(d), "p50": _pct(d, 0.5), "p90": _pct(d, 0.9), "max": max(d)}
+            hops[f"{a}->{b}"] = {"n": len(d), **stats(d), "max": 1e3 * max(d)}  # ms
     return {"requests": len(group), "layers": layers, "spread_ms": spread, "hops_ms": hops}
 
 

@@ -50,7 +50,7 @@ class RequestResult:
         return self
 
 
-def _stats(values: list[float] | np.ndarray, scale: float = 1000.0) -> dict[str, float]:
+def stats(values: list[float] | np.ndarray, scale: float = 1000.0) -> dict[str, float]:
     """mean, median, p90, p99 (and std) in milliseconds; zeros when empty."""
     a = np.asarray(values, dtype=np.float64) * scale
     if a.size == 0:
@@ -87,14 +87,14 @@ def summarize(results: list[RequestResult], duration: float, **meta: object) -> 
         "input_throughput": total_in / dur,
         "output_throughput": total_out / dur,
         "total_token_throughput": (total_in + total_out) / dur,
-        "ttft_ms": _stats([r.ttft for r in ok]),
-        "tpot_ms": _stats(tpots),
-        "itl_ms": _stats([g for r in ok for g in r.itl]),
-        "e2e_ms": _stats([r.latency for r in ok]),
+        "ttft_ms": stats([r.ttft for r in ok]),
+        "tpot_ms": stats(tpots),
+        "itl_ms": stats([g for r in ok for g in r.itl]),
+        "e2e_ms": stats([r.latency for r in ok]),
         # The client's own share of TTFT in a burst: how long a request waited in this process to be sent;
         # and TTFT counted from that send, the server's share (with the network's).
         **(
-            {"send_ms": _stats([r.sent for r in ok]), "ttft_after_send_ms": _stats([r.ttft - r.sent for r in ok])}
+            {"send_ms": stats([r.sent for r in ok]), "ttft_after_send_ms": stats([r.ttft - r.sent for r in ok])}
             if any(r.sent for r in ok)
             else {}
         ),
