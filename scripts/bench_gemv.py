@@ -9,8 +9,8 @@ at --mp 2, and the whole at MP_NUM=1) and M = 1 and 4: cuBLAS (`x @ W.T`, fp32 o
 it) against a sweep of tiles and split counts, each timed alone in a CUDA graph over enough distinct
 weights to miss L2, each checked against cuBLAS first. Prints each shape's best and writes JSON.
 
-    python scripts/bench_gemv.py --out gemv.json
-    TRITON_INTERPRET=1 python scripts/bench_gemv.py --check-only   # the kernel on a CPU
+    PYTHONPATH=server python scripts/bench_gemv.py --out gemv.json
+    TRITON_INTERPRET=1 PYTHONPATH=server python scripts/bench_gemv.py --check-only   # the kernel on a CPU
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from bench_quant_gemm import copy_bandwidth, time_graph  # CUDA-graph timing over weight copies
 
 
 @triton.jit
@@ -82,30 +83,6 @@ def shapes(mp: int) -> list[tuple[str, int, int]]:
     return [("qkv", (h + 2 * kvd) // mp, h), ("o", h, h // mp), ("gate_up", 2 * f // mp, h), ("down", h, f // mp)]
 
 
-def graph_us(fn, reps: int = 20) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3)
-    return sorted(times)[reps // 2]
-
-
-def copy_tb_s() -> float:
-    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / (graph_us(lambda: dst.copy_(src)) * 1e-6) / 1e12
-
-
 def check(device: str) -> None:
     """The kernel against a float64 product, on random inputs (rows 1-4, ragged N and K); bf16 on a GPU,
     fp32 under the interpreter (its numpy has no bf16)."""
@@ -131,7 +108,7 @@ def main() -> None:
     if a.check_only or device == "cpu":
         return
     res: dict = {"device": torch.cuda.get_device_name(), "copy_tb_s": None, "shapes": {}}
-    res["copy_tb_s"] = bw = copy_tb_s()
+    res["copy_tb_s"] = bw = copy_bandwidth() / 1e12
     configs = list(itertools.product((32, 64, 128), (128, 256, 512), (4,), (3, 4)))  # BLOCK_N, BLOCK_K, warps, stages
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for mp in (2, 1):
@@ -142,7 +119,7 @@ def main() -> None:
             floor = N * K * 2 / (bw * 1e12) * 1e6
             for M in (1, 4):
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-                cublas = graph_us(lambda x=x, Ws=Ws: [torch.mm(x, w.t(), torch.float32) for w in Ws]) / len(Ws)
+                cublas = time_graph(lambda i, x=x, Ws=Ws: torch.mm(x, Ws[i].t(), torch.float32), len(Ws))
                 row: dict = {"floor_us": floor, "cublas_us": cublas}
                 want = torch.mm(x, Ws[0].t(), torch.float32)
                 best = None
@@ -159,7 +136,7 @@ def main() -> None:
                                 row[key] = "wrong"
                                 continue
                             cfg = (splits, bn, bk, warps, stages)
-                            us = graph_us(lambda x=x, Ws=Ws, cfg=cfg: [gemv_partials(x, w, *cfg) for w in Ws]) / len(Ws)
+                            us = time_graph(lambda i, x=x, Ws=Ws, cfg=cfg: gemv_partials(x, Ws[i], *cfg), len(Ws))
                         except Exception as e:  # noqa: BLE001 - a tile that does not fit is reported, not fatal
                             row[key] = repr(e)[:120]
                             continue

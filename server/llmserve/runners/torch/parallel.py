@@ -150,7 +150,7 @@ def with_fused_norm(tp: TensorParallel) -> TensorParallel:
     (rows of 1, 3 and the most it takes, twice each: both halves of its buffer)."""
     from .kernels.sum_norm import FusedSumNorm
 
-    if tp.size & (tp.size - 1):  # its kernel spans the ranks with tl.arange: a power of two
+    if tp.size & (tp.size - 1):  # worlds of 2, 4, 8 only (a node's NVLink groups); it has run on 2
         return tp
     gen = torch.Generator("cuda").manual_seed(1234 + tp.rank)
     ok, fused = True, None
