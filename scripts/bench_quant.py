@@ -42,6 +42,8 @@ from llmserve.engine.sampling_params import SamplingParams  # noqa: E402
 from llmserve.runners.torch.runner import TorchRunner  # noqa: E402
 
 R: dict = {}
+PROFILE = False  # speed --profile: the kernels of a batch-1 decode step
+BATCHES = (64, 256)  # speed --batches
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
 
@@ -64,7 +66,11 @@ def decode_rows(engine: LLMEngine, runner: TorchRunner, bw: float, rng) -> dict:
     kv_bytes = runner.kv_spec.block_bytes / runner.block_size * (128 + 128)  # the mean context's K/V
     floor = (runner.model.weight_bytes + kv_bytes) / bw * 1e3
     row = dict(b1_ms_per_step=ms, b1_floor_ms=floor, b1_vs_floor=ms / floor)
-    for b in (64, 256):
+    if PROFILE:
+        from bench_tp import profile_b1
+
+        row["b1_kernels_us_per_step"] = profile_b1(engine, rng, V)
+    for b in BATCHES:
         reqs = [
             (f"b{b}-{i}", rng.integers(0, V, 256).tolist(), SamplingParams(max_tokens=128, **GREEDY)) for i in range(b)
         ]
@@ -78,6 +84,7 @@ def speed(out: str, shape: str, formats: list[str], kv: bool = True) -> None:
 
     R["device"] = torch.cuda.get_device_name()
     R["torch"] = torch.__version__
+    R["gemv"] = Config.read("gemv")  # LLMSERVE_GEMV
     ckpt = write_random_checkpoint(Path(tempfile.gettempdir()) / f"rand-{shape}", shape)
     R["copy_bandwidth_gbs"] = (bw := copy_bandwidth()) / 1e9
     base = Config(batch_size=256, max_seq_len=2048, block_size=64, max_num_batched_tokens=2048)
@@ -95,7 +102,7 @@ def speed(out: str, shape: str, formats: list[str], kv: bool = True) -> None:
             LLMEngine(dataclasses.replace(base, quant_type=quant), runner), runner, bw, np.random.default_rng(0)
         )
         rows[quant or "bf16"] = row
-        for b in (64, 256):
+        for b in BATCHES:
             if "bf16" in rows:
                 row[f"b{b}_vs_bf16"] = row[f"b{b}_tok_s"] / rows["bf16"][f"b{b}_tok_s"]
         print(quant or "bf16", json.dumps(row), flush=True)
@@ -186,7 +193,11 @@ def main() -> None:
         "--formats", default=",weight_only_int8,weight_only_int4,fp8", help="speed: QUANT_TYPEs (empty: bf16)"
     )
     ap.add_argument("--skip-kv", action="store_true", help="speed: no KV-cache rows")
+    ap.add_argument("--profile", action="store_true", help="speed: the kernels of a batch-1 decode step")
+    ap.add_argument("--batches", default="64,256", help="speed: the batch sizes of the tok/s rows")
     a = ap.parse_args()
+    global PROFILE, BATCHES
+    PROFILE, BATCHES = a.profile, tuple(int(b) for b in a.batches.split(",") if b)
     if a.what == "speed":
         speed(a.out, a.shape, a.formats.split(","), kv=not a.skip_kv)
     else:

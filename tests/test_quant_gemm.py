@@ -139,6 +139,7 @@ INTERP_SCRIPT = textwrap.dedent(
     from test_quant_gemm import make_w4, make_w8, rel_err
     from llmserve.runners.torch.kernels import use_triton
     from llmserve.runners.torch.kernels import quant_gemm as qg
+    from llmserve.runners.torch.kernels.gemv import GEMV_MAX_M
 
     gen = torch.Generator().manual_seed({seed})
     assert use_triton(torch.zeros(1)), "TRITON_INTERPRET=1 must route CPU tensors to the kernels"
@@ -166,7 +167,7 @@ INTERP_SCRIPT = textwrap.dedent(
         tol = tol if out == torch.float32 else 2**-7
         assert y.dtype == out and rel_err(y, ref) < tol, ("w4", M, G, dt, rel_err(y, ref))
         split += qg._plan_w4(M, N, Kx, G, qg._num_sms(x.device))[1] > 1
-        split += qg._plan_w8(M, N, Kx, qg._num_sms(x.device))[1] > 1
+        split += M > GEMV_MAX_M and qg._plan_w8(M, N, Kx, qg._num_sms(x.device))[1] > 1  # else kernels/gemv.py
     assert split >= 2, "too few cases took the split-K (atomic) path"
     print("ok", len(cases))
     """

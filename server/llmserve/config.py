@@ -313,6 +313,9 @@ class Config:
         _bool,
         doc="MP_NUM>1 on one node: a decode step's sums over the ranks fused with the RMSNorm after each",
     )
+    gemv: bool = _setting(
+        "LLMSERVE_GEMV", True, _bool, doc="CUDA: one-row products (batch-1 decode) on our GEMV instead of cuBLAS"
+    )
     torch_kernels: str = _setting(
         "LLMSERVE_TORCH_KERNELS",
         "",

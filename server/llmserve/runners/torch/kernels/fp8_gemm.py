@@ -40,6 +40,7 @@ import torch
 from .. import kernels as _pkg
 from . import HAS_TRITON
 from .fp8_quant import FP8_MAX, _cdiv, dequantize_act_ref, quantize_act, quantize_act_ref
+from .gemv import gemv, gemv_ok
 
 try:
     import triton
@@ -411,6 +412,8 @@ def fp8_linear(
     if path == "weight_only":
         y = weight_only_gemm(x2, weight, scale, block, bias, out_dtype)
         return y.reshape(*lead, N)
+    if gemv_ok(x2, weight, block or 0):  # batch-1 decode: kernels/gemv.py, x unquantized
+        return gemv(x2, weight, scale, block or 0, bias, out_dtype).reshape(*lead, N)
     xq, xs = quantize_act(x2, block)
     if (
         block is None

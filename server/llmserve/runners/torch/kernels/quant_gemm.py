@@ -39,6 +39,7 @@ import functools
 import torch
 
 from . import next_pow2, use_triton
+from .gemv import gemv, gemv_ok
 from .quant_dequant import DEQUANT_M, w4_dequant_mm, w8_dequant_mm
 
 try:
@@ -391,6 +392,8 @@ def w8a16_linear(
     M, K = x.shape
     scale = scale.contiguous()
     bias = bias.contiguous() if bias is not None else None
+    if gemv_ok(x, qweight):  # batch-1 decode: kernels/gemv.py
+        return gemv(x, qweight, scale, 0, bias, out_dtype)
     dense_ok = x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and qweight.is_contiguous()
     if M >= DEQUANT_M and dense_ok:  # prefill: quant_dequant.py
         return w8_dequant_mm(x, qweight, scale, bias, out_dtype)

@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from llmserve.config import Config, ConfigError
 
 from ..kernels.fp8_gemm import fp8_linear, fp8_path
+from ..kernels.gemv import gemv, gemv_ok
 from ..kernels.quant_gemm import w4a16_linear, w8a16_linear
 from ..linear import Linear
 from . import formats
@@ -95,6 +96,8 @@ class LinearMethod:
         W = w["weight"]
         if out_dtype == x.dtype or not x.is_cuda:
             return F.linear(x, W, bias).to(out_dtype)
+        if gemv_ok(x, W):  # batch-1 decode: kernels/gemv.py (10-25% faster than cuBLAS on an H100)
+            return gemv(x, W, None, 0, bias, out_dtype)
         out = torch.mm(x, W.t(), out_dtype)  # cuBLAS writes fp32 (model.py: `wide`)
         return out if bias is None else out.add_(bias)
 

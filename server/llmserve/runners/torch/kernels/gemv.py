@@ -1,0 +1,200 @@
+"""Batch-1 decode GEMV over 8-bit weights: y = x @ (W * scale).T (+ bias), x one row, W int8 or FP8 E4M3.
+
+A batch-1 decode step reads every weight once and does two flops per weight byte: it is bound by how fast
+the weights stream, not by arithmetic. The tensor-core kernels (quant_gemm.py, fp8_gemm.py) pad the one
+row to an MMA tile of 16 and move each weight through shared memory twice (the pipeline's copy, the MMA
+operand's layout); on the 8B projections they reach 1.3-1.5x the weights' memory floor. Here each thread
+loads 16 consecutive weights of a row with one 16-byte load, converts them in registers and multiplies
+them with x in fp32 on the CUDA cores: no shared memory, no tile padding.
+
+Every program owns BLOCK_N whole rows (all of K): no split-K, so no atomics, no zeroed output and no
+second kernel; the result is written once, in the output dtype, and is the same run to run. Rows per
+program are few (4-32), so even a rank's share of a projection (N = 3072) spans every SM more than once.
+The accumulator is [BLOCK_N, BLOCK_K] and summed over K once, after the loop.
+
+Scales: one per output row (`scale` [N]), applied after the sum; or one per (row block, K block)
+(`scale` [ceil(N / SB), ceil(K / SB)], FP8's 128 x 128 blocks): a program's rows lie in one row block
+(BLOCK_N divides SB), so x takes each K block's scale before the products.
+
+int8 becomes fp32 exactly through the float's mantissa (bits 0x4B000080 + q are 2^23 + 128 + q), an integer
+add and a float subtract instead of the quarter-rate integer-to-float conversion; FP8 through the
+hardware's paired E4M3 -> f16 conversion (sm_89+).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from llmserve.config import Config
+
+from . import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+# Products of at most this many rows run here (w8a16_linear, fp8_linear, unquantized layers and the LM head on
+# CUDA); 0 turns the GEMV off (LLMSERVE_GEMV=0; read at import, like LLMSERVE_TORCH_KERNELS)
+GEMV_MAX_M = 1 if Config.read("gemv") else 0
+
+if triton is not None:
+
+    @triton.jit
+    def _to_f32(w, CONV: tl.constexpr):
+        """Weights -> fp32, exactly. CONV 0: the compiler's conversion; 1: int8 through the mantissa."""
+        if CONV == 1:
+            return (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        return w.to(tl.float32)
+
+    @triton.jit
+    def _load_tile(ptrs, k, n_ok, rk, K, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+        if EVEN_N and EVEN_K:
+            return tl.load(ptrs)
+        return tl.load(ptrs, mask=n_ok[:, None] & ((k + rk) < K)[None, :], other=0.0)
+
+    @triton.jit
+    def _gemv_kernel(
+        x_ptr,  # [K], x's dtype
+        w_ptr,  # [N, K] int8 / float8e4nv, K contiguous
+        s_ptr,  # fp32: [N] (SB == 0), [ceil(N / SB), ceil(K / SB)] (SB > 0), or unused (SB < 0)
+        b_ptr,  # [N] or unused
+        out_ptr,  # [N]
+        N,
+        K,
+        stride_wn,
+        stride_sn,
+        HAS_BIAS: tl.constexpr,
+        SB: tl.constexpr,
+        CONV: tl.constexpr,
+        EVEN_N: tl.constexpr,
+        EVEN_K: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        PREFETCH: tl.constexpr,
+    ):
+        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        n_ok = rn < N
+        w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        s_row = s_ptr
+        if SB > 0:  # the scale row of the program's rows
+            s_row += (tl.program_id(0) * BLOCK_N // SB) * stride_sn
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        w_next = _load_tile(w_ptrs, 0, n_ok, rk, K, EVEN_N, EVEN_K)
+        for k in range(0, K, BLOCK_K):
+            if EVEN_K:
+                x = tl.load(x_ptr + k + rk).to(tl.float32)
+            else:
+                x = tl.load(x_ptr + k + rk, mask=(k + rk) < K, other=0.0).to(tl.float32)
+            if SB > 0:  # block scales: x takes its K block's scale (BLOCK_N divides SB: one row of blocks)
+                x *= tl.load(s_row + (k + rk) // SB, mask=(k + rk) < K, other=0.0)
+            if PREFETCH:  # the next tile's loads are in flight while this one is multiplied
+                w = w_next
+                w_next = _load_tile(w_ptrs + BLOCK_K, k + BLOCK_K, n_ok, rk, K, EVEN_N, False)
+            else:
+                w = _load_tile(w_ptrs, k, n_ok, rk, K, EVEN_N, EVEN_K)
+            acc += _to_f32(w, CONV) * x[None, :]
+            w_ptrs += BLOCK_K
+        y = tl.sum(acc, axis=1)
+        if SB == 0:  # SB < 0: no scale (bf16 weights)
+            y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
+        if HAS_BIAS:
+            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def gemv_ref(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    block: int = 0,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """The product in fp32 from the dequantized weight (what `gemv` computes, up to summation order)."""
+    W = weight.float()
+    if scale is None:
+        pass
+    elif block:
+        N, K = weight.shape
+        W = W * scale.float().repeat_interleave(block, 0)[:N].repeat_interleave(block, 1)[:, :K]
+    else:
+        W = W * scale.float()[:, None]
+    y = x.float() @ W.t()
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
+def gemv_launch(N: int, itemsize: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, PREFETCH) for N output rows of `itemsize`-byte weights, from sweeps on
+    an H100 (scripts/sweep_gemv.py; the 8B shape's projections, whole and at MP_NUM=2, and its LM head).
+    8-bit: 8 x 1024 tiles were the fastest or within 3% up to 4096 rows, 16 x 512 (8 warps) on 6144 and
+    16 x 256 on 14336-28672 (7-10% faster than 8 x 1024). 16-bit: 4 x 2048 on every shape."""
+    if itemsize > 1:
+        return 4, 2048, 4, 0
+    if N >= 8192:
+        return 16, 256, 4, 0
+    if N > 4096:
+        return 16, 512, 8, 0
+    return 8, 1024, 4, 0
+
+
+def gemv_ok(x: torch.Tensor, weight: torch.Tensor, block: int = 0) -> bool:
+    """Whether `gemv` runs this product: at most GEMV_MAX_M rows (one), Triton, a K-contiguous weight, and
+    (block scales) a block that the rows of a program divide."""
+    if x.dim() != 2 or x.shape[0] > GEMV_MAX_M or not use_triton(x) or weight.stride(1) != 1:
+        return False
+    return block % gemv_launch(weight.shape[0], weight.element_size())[0] == 0
+
+
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor | None,
+    block: int = 0,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+    config: tuple[int, int, int, int] | None = None,
+    conv: int | None = None,
+) -> torch.Tensor:
+    """x [1, K] @ (weight [N, K] int8 or float8_e4m3fn, times scale).T (+ bias [N]) -> [1, N] in out_dtype
+    (default x's). scale: fp32 [N] (block 0), or [ceil(N / block), ceil(K / block)]; None with a bf16/fp16
+    weight (unquantized: quant/methods.py, the LM head). config, conv: the launch and the conversion, for the sweep
+    (defaults: gemv_launch(N); the mantissa path for int8)."""
+    N, K = weight.shape
+    if x.shape != (1, K):
+        raise ValueError(f"gemv: x {tuple(x.shape)} is not one row of K={K}")
+    block_n, block_k, warps, prefetch = config or gemv_launch(N, weight.element_size())
+    if block % block_n:
+        raise ValueError(f"gemv: BLOCK_N={block_n} does not divide the scale block {block}")
+    if conv is None:
+        conv = 1 if weight.dtype == torch.int8 else 0
+    x = x.contiguous()
+    if scale is not None:
+        scale = scale.contiguous()
+    out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
+    _gemv_kernel[(triton.cdiv(N, block_n),)](
+        x,
+        weight,
+        scale if scale is not None else weight,
+        bias if bias is not None else weight,
+        out,
+        N,
+        K,
+        weight.stride(0),
+        scale.stride(0) if scale is not None else 0,
+        HAS_BIAS=bias is not None,
+        SB=block if scale is not None else -1,
+        CONV=conv,
+        EVEN_N=N % block_n == 0,
+        EVEN_K=K % block_k == 0,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        PREFETCH=bool(prefetch),
+        num_warps=warps,
+        num_stages=1,
+    )
+    return out

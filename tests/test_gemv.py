@@ -1,0 +1,119 @@
+"""The batch-1 GEMV over int8 / FP8 / bf16 weights (kernels/gemv.py): its reference against float64, the kernel under
+Triton's interpreter (CPU, in a subprocess: triton reads TRITON_INTERPRET at import) and on a GPU, and that
+w8a16_linear, fp8_linear and the unquantized layers give it their one-row products."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import triton_interpreter
+
+from llmserve.runners.torch.kernels import HAS_TRITON
+from llmserve.runners.torch.kernels.gemv import gemv_ref
+
+
+def rand_weight(gen: torch.Generator, N: int, K: int, fmt: str, block: int, device: str = "cpu"):
+    """(weight, scale): int8 codes or FP8 values over their whole range, per-row or block scales."""
+    if fmt == "int8":
+        w = torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8)
+    else:
+        w = (torch.randn(N, K, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    shape = (-(-N // block), -(-K // block)) if block else (N,)
+    scale = torch.rand(shape, generator=gen) * 0.01 + 1e-4
+    return w.to(device), scale.to(device)
+
+
+def float64_product(x, w, scale, block, bias):
+    W = w.double()
+    if block:
+        s = scale.double().repeat_interleave(block, 0)[: w.shape[0]].repeat_interleave(block, 1)[:, : w.shape[1]]
+    else:
+        s = scale.double()[:, None]
+    y = x.double() @ (W * s).t()
+    return y + bias.double() if bias is not None else y
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("fmt,block", [("int8", 0), ("fp8", 0), ("fp8", 128), ("int8", 64)])
+def test_reference_against_float64(fmt, block, fresh_seed):
+    gen = torch.Generator().manual_seed(fresh_seed)
+    N, K = 70, 300
+    w, s = rand_weight(gen, N, K, fmt, block)
+    x = torch.randn(1, K, generator=gen)
+    bias = torch.randn(N, generator=gen)
+    y = gemv_ref(x, w, s, block, bias, torch.float32)
+    assert y.shape == (1, N) and y.dtype == torch.float32
+    assert rel_err(y, float64_product(x, w, s, block, bias)) < 1e-5, f"seed {fresh_seed}"
+
+
+INTERP_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from test_gemv import float64_product, rand_weight, rel_err
+    from llmserve.runners.torch.kernels import fp8_gemm, gemv as G, quant_gemm
+
+    gen = torch.Generator().manual_seed({seed})
+    # ragged N and K (masks), whole tiles (no masks), block scales, each conversion of int8
+    cases = [(70, 300, "int8", 0, 1), (64, 1024, "int8", 0, 0), (96, 512, "int8", 0, 1), (40, 256, "fp8", 0, 0)]
+    cases += [(130, 384, "fp8", 128, 0), (72, 200, "int8", 64, 1)]
+    for N, K, fmt, block, conv in cases:
+        w, s = rand_weight(gen, N, K, fmt, block)
+        for xdt, out, config in [(torch.bfloat16, torch.float32, (8, 256, 4, 0)), (torch.float32, torch.bfloat16, (16, 128, 2, 1))]:
+            x = torch.randn(1, K, generator=gen).to(xdt)
+            bias = torch.randn(N, generator=gen).to(xdt) if out == torch.bfloat16 else None
+            y = G.gemv(x, w, s, block, bias, out, config=config, conv=conv if fmt == "int8" else 0)
+            tol = 1e-5 if out == torch.float32 else 2**-7
+            assert y.dtype == out and rel_err(y, float64_product(x, w, s, block, bias)) < tol, (N, K, fmt, block, conv)
+    # the one-row products of the layers' entry points run here, bit for bit; two rows do not
+    x = torch.randn(1, 512, generator=gen).to(torch.bfloat16)
+    w, s = rand_weight(gen, 96, 512, "int8", 0)
+    assert torch.equal(quant_gemm.w8a16_linear(x, w, s, None, torch.float32), G.gemv(x, w, s, 0, None, torch.float32))
+    assert not G.gemv_ok(torch.cat([x, x]), w)
+    for block in (None, 128):
+        w, s = rand_weight(gen, 96, 512, "fp8", block or 0)
+        got = fp8_gemm.fp8_linear(x, w, s, block, None, torch.float32)
+        assert torch.equal(got, G.gemv(x, w, s, block or 0, None, torch.float32)), block
+    G.GEMV_MAX_M = 0  # off: the tensor-core kernel, a different summation order
+    assert not G.gemv_ok(x, w)
+    print("ok", len(cases))
+    """
+)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_kernel_under_interpreter(fresh_seed):
+    if why := triton_interpreter.broken():
+        pytest.skip(why)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    script = INTERP_SCRIPT.format(tests=os.path.dirname(__file__), seed=fresh_seed)
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "ok" in r.stdout, f"seed {fresh_seed}\n{r.stdout}\n{r.stderr[-3000:]}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,block", [("int8", 0), ("fp8", 0), ("fp8", 128)])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (1000, 1152)])
+def test_gpu_against_float64(fmt, block, N, K, fresh_seed):
+    from llmserve.runners.torch.kernels.gemv import gemv
+
+    if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 conversions need sm_89+")
+    gen = torch.Generator().manual_seed(fresh_seed)
+    w, s = rand_weight(gen, N, K, fmt, block, "cuda")
+    x = torch.randn(1, K, generator=gen).to(torch.bfloat16).cuda()
+    bias = torch.randn(N, generator=gen).to(torch.bfloat16).cuda()
+    ref = float64_product(x, w, s, block, bias)
+    y = gemv(x, w, s, block, bias, torch.float32)
+    assert rel_err(y, ref) < 1e-5, f"seed {fresh_seed}"
+    assert torch.equal(y, gemv(x, w, s, block, bias, torch.float32))  # no atomics: the same bits every run
+    assert rel_err(gemv(x, w, s, block, bias, torch.bfloat16), ref) < 2**-7
