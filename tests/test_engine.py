@@ -295,6 +295,37 @@ def test_engine_server_admits_a_burst_up_to_the_batch_and_its_queue(demo_dir):
         server._shutdown()
 
 
+def test_engine_server_admits_a_burst_a_slice_at_a_time(engine_server, monkeypatch):
+    """A burst is parsed ADMIT_SLICE bodies at a time and each slice is handed to the core before the
+    next is parsed (the core starts on the first while the rest are parsed); every request still runs,
+    in the order sent."""
+    from llmserve.protocol import native
+    from llmserve.serving import engine_server as es
+    from llmserve.serving.ipc import dumps
+
+    server = engine_server
+    calls: list[tuple[int, int]] = []  # (bodies parsed, requests sent to the core before)
+    parse = native.parse_burst
+    monkeypatch.setattr(native, "parse_burst", lambda b, t: calls.append((len(b), server.adds_sent)) or parse(b, t))
+    client = dealer(server.cfg.inter_proc_port, b"slices")
+    n = 2 * es.ADMIT_SLICE + 5
+    items: list = []
+    try:
+        for i in range(n):
+            body = {"input_ids": [1 + i % 7, 2, 3], "req_id": f"s{i}", "max_dec_len": 2, "min_dec_len": 2}
+            client.send(dumps({"op": "add", "body": json.dumps(body)}))
+        time.sleep(0.2)  # all of them queued at the ROUTER: one round takes them together
+        pump(server, lambda: sum(i["is_end"] for i in received(client, items)) == n)
+        sizes = [size for size, _ in calls]
+        assert sum(sizes) == n and max(sizes) <= es.ADMIT_SLICE and len(calls) >= 3, calls
+        before = [sent for _, sent in calls]
+        assert before == [before[0] + sum(sizes[:k]) for k in range(len(sizes))], calls  # each slice sent first
+        ends = [i for i in items if i["is_end"]]
+        assert all(e["error_code"] == 0 for e in ends) and {e["req_id"] for e in ends} == {f"s{i}" for i in range(n)}
+    finally:
+        client.close(0)
+
+
 def test_engine_server_aborts_the_requests_of_a_client_that_is_gone(engine_server):
     """A client whose connection closed (a killed Triton stub) gets its requests aborted and their KV
     blocks freed at the next send to it; another client's requests run on."""
