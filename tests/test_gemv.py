@@ -78,7 +78,7 @@ INTERP_SCRIPT = textwrap.dedent(
     x = torch.randn(1, 512, generator=gen).to(torch.bfloat16)
     w, s = rand_weight(gen, 96, 512, "int8", 0)
     assert torch.equal(quant_gemm.w8a16_linear(x, w, s, None, torch.float32), G.gemv(x, w, s, 0, None, torch.float32))
-    assert not G.gemv_ok(torch.cat([x, x]), w)
+    assert not G.gemv_ok(torch.cat([x, x]), w) and not G.gemv_ok(x[:0], w)  # two rows, none
     for block in (None, 128):
         w, s = rand_weight(gen, 96, 512, "fp8", block or 0)
         got = fp8_gemm.fp8_linear(x, w, s, block, None, torch.float32)

@@ -145,8 +145,8 @@ def gemv_launch(N: int, itemsize: int = 1) -> tuple[int, int, int, int]:
 def gemv_ok(x: torch.Tensor, weight: torch.Tensor, block: int = 0) -> bool:
     """Whether `gemv` runs this product: at most GEMV_MAX_M rows (one), Triton, a K-contiguous weight, and
     (block scales) a block that the rows of a program divide."""
-    if x.dim() != 2 or x.shape[0] > GEMV_MAX_M or not use_triton(x) or weight.stride(1) != 1:
-        return False
+    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M or not use_triton(x) or weight.stride(1) != 1:
+        return False  # (no rows: the logits of a step that samples none)
     return block % gemv_launch(weight.shape[0], weight.element_size())[0] == 0
 
 
