@@ -23,6 +23,10 @@
   scales) instead of every weight element: the same W, fewer roundings and multiplies.
 - "ref" (CPU): `fp8_linear_ref`, W dequantized exactly to fp32, then a fp32 matmul.
 
+On the "w8a8" path a product of one row (batch-1 decode) goes to `kernels/gemv.py` instead: a CUDA-core
+GEMV that streams the FP8 weight at about its memory floor and keeps x unquantized (the tensor-core
+path pads the row to a tile and quantizes it first).
+
 Under TRITON_INTERPRET=1 (tests) a CPU device takes "w8a8" with the Triton GEMM for both scale
 kinds. Nothing here syncs with the host or allocates by data: the calls are CUDA-graph safe once
 warmed up (the probe of torch._scaled_mm runs on a first call outside a capture; a first call during

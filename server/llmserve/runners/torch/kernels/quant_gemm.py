@@ -16,6 +16,9 @@ w4 unpacks its words with joins, so each thread holds 8 consecutive K rows of a 
 operand layout by one 16-byte shared store and an ldmatrix per 8 weights; w8 at small M permutes K within
 each 16 (the sum does not care) so that each thread's operand bytes are 4 consecutive ones (see _w8a16_kernel).
 
+One row (batch-1 decode) of w8 goes to kernels/gemv.py instead (a CUDA-core GEMV: no tile padding, no
+split-K); w4's one row to PyTorch's tinygemm where its operands were made (quant/methods.py).
+
 Small M (<= 64, decode) is memory bound: the goal is to stream the weight at copy bandwidth, so tiles of 64
 or 128 weight rows cover all of x's rows and a slice of K (split-K), enough programs to fill every SM once.
 The slices' partial sums meet by fp32 atomic adds into a zeroed fp32 output: their order, and so the last
