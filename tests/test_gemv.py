@@ -5,8 +5,6 @@ w8a16_linear, fp8_linear and the unquantized layers give it their one-row produc
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 
 import pytest
@@ -92,12 +90,8 @@ INTERP_SCRIPT = textwrap.dedent(
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 def test_kernel_under_interpreter(fresh_seed):
-    if why := triton_interpreter.broken():
-        pytest.skip(why)
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
     script = INTERP_SCRIPT.format(tests=os.path.dirname(__file__), seed=fresh_seed)
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0 and "ok" in r.stdout, f"seed {fresh_seed}\n{r.stdout}\n{r.stderr[-3000:]}"
+    triton_interpreter.run_script(script, fresh_seed)
 
 
 @pytest.mark.gpu

@@ -47,3 +47,15 @@ def broken() -> str | None:
     why = (r.stdout.strip() or r.stderr.strip()[-300:]).removeprefix("BROKEN ")
     known = " (triton-lang/triton#9171)" if "0-dimensional" in why else ""
     return f"Triton {triton.__version__}'s interpreter fails under numpy {numpy.__version__}{known}: {why}"
+
+
+def run_script(script: str, seed: int, timeout: float = 600) -> None:
+    """Run `script` (test code that prints "ok" at its end) in a Python under TRITON_INTERPRET=1 (triton
+    reads it at import; the rest of the session must not see it); skip when the interpreter is broken."""
+    import pytest
+
+    if why := broken():
+        pytest.skip(why)
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0 and "ok" in r.stdout, f"seed {seed}\n{r.stdout}\n{r.stderr[-3000:]}"

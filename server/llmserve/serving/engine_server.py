@@ -28,6 +28,7 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Iterator
 
 import zmq
 
@@ -149,7 +150,8 @@ class EngineServer:
                 log.info("%s connected: %s", msg.get("role"), client.decode(errors="replace"))
                 self.next_hb = 0.0  # stats now: the supervisor's readiness waits for the adapter count
 
-    def _parse_slices(self, bodies: list):
+    def _parse_slices(self, bodies: list) -> Iterator:
+        """native.parse_burst's entries for `bodies`, parsed ADMIT_SLICE at a time as they are taken."""
         for i in range(0, len(bodies), ADMIT_SLICE):
             yield from native.parse_burst(bodies[i : i + ADMIT_SLICE], self.tokenizer)
 

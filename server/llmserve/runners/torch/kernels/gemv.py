@@ -1,15 +1,16 @@
-"""Batch-1 decode GEMV over 8-bit weights: y = x @ (W * scale).T (+ bias), x one row, W int8 or FP8 E4M3.
+"""Batch-1 decode GEMV: y = x @ (W * scale).T (+ bias), x one row, W int8, FP8 E4M3 or bf16/fp16 (no scale).
 
 A batch-1 decode step reads every weight once and does two flops per weight byte: it is bound by how fast
 the weights stream, not by arithmetic. The tensor-core kernels (quant_gemm.py, fp8_gemm.py) pad the one
 row to an MMA tile of 16 and move each weight through shared memory twice (the pipeline's copy, the MMA
-operand's layout); on the 8B projections they reach 1.3-1.5x the weights' memory floor. Here each thread
-loads 16 consecutive weights of a row with one 16-byte load, converts them in registers and multiplies
-them with x in fp32 on the CUDA cores: no shared memory, no tile padding.
+operand's layout); on the 8B projections they reach 1.3-1.5x the weights' memory floor, and cuBLAS's
+bf16 GEMVs split K and add a reduce kernel. Here each thread loads 16 consecutive bytes of a row with
+one 16-byte load, converts them in registers and multiplies them with x in fp32 on the CUDA cores: no
+shared memory, no tile padding.
 
 Every program owns BLOCK_N whole rows (all of K): no split-K, so no atomics, no zeroed output and no
 second kernel; the result is written once, in the output dtype, and is the same run to run. Rows per
-program are few (4-32), so even a rank's share of a projection (N = 3072) spans every SM more than once.
+program are few (4-16), so even a rank's share of a projection (N = 3072) spans every SM more than once.
 The accumulator is [BLOCK_N, BLOCK_K] and summed over K once, after the loop.
 
 Scales: one per output row (`scale` [N]), applied after the sum; or one per (row block, K block)
@@ -18,7 +19,7 @@ Scales: one per output row (`scale` [N]), applied after the sum; or one per (row
 
 int8 becomes fp32 exactly through the float's mantissa (bits 0x4B000080 + q are 2^23 + 128 + q), an integer
 add and a float subtract instead of the quarter-rate integer-to-float conversion; FP8 through the
-hardware's paired E4M3 -> f16 conversion (sm_89+).
+hardware's paired E4M3 -> f16 conversion (sm_89+); bf16 is a shift.
 """
 
 from __future__ import annotations
@@ -162,8 +163,8 @@ def gemv(
 ) -> torch.Tensor:
     """x [1, K] @ (weight [N, K] int8 or float8_e4m3fn, times scale).T (+ bias [N]) -> [1, N] in out_dtype
     (default x's). scale: fp32 [N] (block 0), or [ceil(N / block), ceil(K / block)]; None with a bf16/fp16
-    weight (unquantized: quant/methods.py, the LM head). config, conv: the launch and the conversion, for the sweep
-    (defaults: gemv_launch(N); the mantissa path for int8)."""
+    weight (unquantized layers, the LM head). config, conv: the launch and the conversion, for the sweep
+    (defaults: gemv_launch; the mantissa path for int8)."""
     N, K = weight.shape
     if x.shape != (1, K):
         raise ValueError(f"gemv: x {tuple(x.shape)} is not one row of K={K}")
