@@ -1,4 +1,4 @@
-"""Batch-1 decode GEMV: y = x @ (W * scale).T (+ bias), x one row, W int8, FP8 E4M3 or bf16/fp16 (no scale).
+"""Decode GEMV: y = x @ (W * scale).T (+ bias), x 1-8 rows, W int8, FP8 E4M3 or bf16/fp16 (no scale).
 
 A batch-1 decode step reads every weight once and does two flops per weight byte: it is bound by how fast
 the weights stream, not by arithmetic. The tensor-core kernels (quant_gemm.py, fp8_gemm.py) pad the one
@@ -11,7 +11,8 @@ shared memory, no tile padding.
 Every program owns BLOCK_N whole rows (all of K): no split-K, so no atomics, no zeroed output and no
 second kernel; the result is written once, in the output dtype, and is the same run to run. Rows per
 program are few (4-16), so even a rank's share of a projection (N = 3072) spans every SM more than once.
-The accumulator is [BLOCK_N, BLOCK_K] and summed over K once, after the loop.
+The accumulator is [BLOCK_N, BLOCK_K] and summed over K once, after the loop. Several rows of x (2-8:
+a verification step's, small batches) share each weight tile, an accumulator each.
 
 Scales: one per output row (`scale` [N]), applied after the sum; or one per (row block, K block)
 (`scale` [ceil(N / SB), ceil(K / SB)], FP8's 128 x 128 blocks): a program's rows lie in one row block
