@@ -119,7 +119,7 @@ def main() -> None:
             x = torch.randn(a.rows, K, device="cuda", dtype=torch.bfloat16)
             row: dict = {"floor_int8_us": N * K / (bw * 1e12) * 1e6}
             if not a.no_baselines:
-                gemv_mod.GEMV_MAX_M = 0  # the paths as they ran before the GEMV
+                gemv_on, gemv_mod.GEMV_MAX_M = gemv_mod.GEMV_MAX_M, 0  # the paths as they ran before the GEMV
                 q8, s8 = weights("int8", N, K, copies)
                 row["w8a16_us"] = time_graph(lambda i, x=x, q8=q8, s8=s8: w8a16_linear(x, q8[i], s8, None, f32), copies)
                 del q8
@@ -131,7 +131,7 @@ def main() -> None:
                 bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(max(4, copies // 2))]
                 row["bf16_cublas_us"] = time_graph(lambda i, x=x, bf=bf: torch.mm(x, bf[i].t(), f32), len(bf))
                 del bf
-                gemv_mod.GEMV_MAX_M = 1
+                gemv_mod.GEMV_MAX_M = gemv_on
             for fmt in fmts:
                 _, block = FORMATS[fmt]
                 ws, s = weights(fmt, N, K, copies if fmt != "bf16" else max(4, copies // 2))

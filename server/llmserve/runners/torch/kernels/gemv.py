@@ -181,7 +181,9 @@ def gemv_ok(x: torch.Tensor, weight: torch.Tensor, block: int = 0) -> bool:
     scales) a block that the rows of a program divide."""
     if x.dim() != 2 or not 1 <= x.shape[0] <= min(GEMV_MAX_M, GEMV_ROWS) or not use_triton(x):
         return False  # (no rows: the logits of a step that samples none)
-    return weight.stride(1) == 1 and block % gemv_launch(weight.shape[0], weight.element_size(), x.shape[0])[0] == 0
+    if weight.stride(1) != 1:
+        return False
+    return block == 0 or block % gemv_launch(weight.shape[0], weight.element_size(), x.shape[0])[0] == 0
 
 
 def gemv(
