@@ -38,8 +38,8 @@ except ImportError:  # pragma: no cover
     triton = None
 
 # Products of at most this many rows run here (w8a16_linear, fp8_linear, unquantized layers and the LM head on
-# CUDA); 0 turns the GEMV off (LLMSERVE_GEMV=0; read at import, like LLMSERVE_TORCH_KERNELS)
-GEMV_MAX_M = 1 if Config.read("gemv") else 0
+# CUDA); 0 turns the GEMV off (LLMSERVE_GEMV: 0-8 rows; read at import, like LLMSERVE_TORCH_KERNELS)
+GEMV_MAX_M = Config.read("gemv")
 # The most rows the kernel takes: products of 2-8 rows (a verification step's, small batches) share each
 # weight tile; not yet swept on a GPU, so GEMV_MAX_M keeps them on cuBLAS / the tensor-core kernels
 GEMV_ROWS = 8
