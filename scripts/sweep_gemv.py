@@ -12,7 +12,6 @@ one row of x:
 Each timing is CUDA-graph replays over enough weight copies to miss L2 (bench_quant_gemm.time_graph).
 
     PYTHONPATH=server python scripts/sweep_gemv.py --out gemv_sweep.json [--formats int8,fp8,fp8b,bf16]
-    PYTHONPATH=server python scripts/sweep_gemv.py --rows 5 --launches rows --formats bf16,int8   # several rows
     TRITON_INTERPRET=1 PYTHONPATH=server python scripts/sweep_gemv.py --check-only   # on a CPU
 """
 
@@ -31,12 +30,12 @@ from llmserve.runners.torch.kernels.gemv import gemv, gemv_ref
 
 def check(device: str) -> None:
     """gemv against the dequantized fp32 product on random inputs: int8 and FP8, per-row and block
-    scales, ragged N and K, bias, bf16 and fp32 out, 3 rows and 1."""
+    scales, ragged N and K, bias, bf16 and fp32 out."""
     gen = torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little"))
     cases = [(96, 320, 0, torch.int8), (200, 1000, 0, torch.int8), (72, 384, 128, torch.float8_e4m3fn)]
     cases += [(130, 256, 128, torch.int8), (64, 512, 0, torch.float8_e4m3fn)]
     for N, K, block, wdt in cases:
-        x = torch.randn(3, K, generator=gen).to(torch.bfloat16)
+        x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
         if wdt == torch.int8:
             w = torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8)
         else:
@@ -45,16 +44,13 @@ def check(device: str) -> None:
         s = torch.rand(sshape, generator=gen) * 0.01 + 1e-3
         b = torch.randn(N, generator=gen).to(torch.bfloat16)
         x, w, s, b = (t.to(device) for t in (x, w, s, b))
-        for rows, out_dtype, bias, cfg in [
-            (3, torch.float32, None, (16, 128, 4, 0)),
-            (1, torch.bfloat16, b, (8, 256, 2, 1)),
-        ]:
-            got = gemv(x[:rows], w, s, block, bias, out_dtype, config=cfg).float().cpu()
-            want = gemv_ref(x[:rows], w, s, block, bias, torch.float32).cpu()
+        for out_dtype, bias, cfg in [(torch.float32, None, (16, 128, 4, 0)), (torch.bfloat16, b, (8, 256, 2, 1))]:
+            got = gemv(x, w, s, block, bias, out_dtype, config=cfg).float().cpu()
+            want = gemv_ref(x, w, s, block, bias, torch.float32).cpu()
             tol = 1e-5 * K**0.5 if out_dtype == torch.float32 else 1e-2
             err = ((got - want).abs() / (want.abs() + 1)).max().item()
             assert err < tol, (N, K, block, wdt, out_dtype, err)
-            print(f"check {rows} x N={N} K={K} block={block} {wdt} -> {out_dtype}: max rel error {err:.1e}", flush=True)
+            print(f"check N={N} K={K} block={block} {wdt} -> {out_dtype}: max rel error {err:.1e}", flush=True)
 
 
 def shapes(mp: int, lm_head: bool) -> list[tuple[str, int, int]]:
@@ -71,7 +67,6 @@ LAUNCHES = {  # (BLOCK_N, BLOCK_K, num_warps, PREFETCH)
     "near": list(itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (0, 1))),
     "edge": [(2, 2048, 4, 0), (2, 4096, 4, 0), (4, 4096, 4, 0), (4, 2048, 2, 0), (4, 2048, 4, 0), (4, 1024, 4, 0)]
     + [(8, 1024, 4, 0), (16, 512, 8, 0), (16, 256, 4, 0), (4, 4096, 8, 0)],
-    "rows": list(itertools.product((4, 8, 16), (64, 128, 256, 512), (2, 4, 8), (0,))),  # --rows 2-8
 }
 
 
@@ -95,7 +90,6 @@ def main() -> None:
     ap.add_argument("--launches", default="full", choices=sorted(LAUNCHES))
     ap.add_argument("--lm-head", action="store_true", help="also the LM head (128256 x 4096)")
     ap.add_argument("--no-baselines", action="store_true")
-    ap.add_argument("--rows", type=int, default=1, help="rows of x (2-8: the several-row kernel, --launches rows)")
     a = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     check(device)
@@ -107,8 +101,7 @@ def main() -> None:
     from llmserve.runners.torch.kernels.fp8_gemm import fp8_linear
     from llmserve.runners.torch.kernels.quant_gemm import w8a16_linear
 
-    res: dict = {"device": torch.cuda.get_device_name(), "formats": a.formats, "launches": a.launches, "rows": a.rows}
-    res["shapes"] = {}
+    res: dict = {"device": torch.cuda.get_device_name(), "formats": a.formats, "launches": a.launches, "shapes": {}}
     res["copy_tb_s"] = bw = copy_bandwidth() / 1e12
     out = Path(a.out)
     fmts = a.formats.split(",")
@@ -116,7 +109,7 @@ def main() -> None:
     for mp in (1, 2):
         for name, N, K in shapes(mp, a.lm_head):
             copies = max(4, int(400e6 // (N * K)))
-            x = torch.randn(a.rows, K, device="cuda", dtype=torch.bfloat16)
+            x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
             row: dict = {"floor_int8_us": N * K / (bw * 1e12) * 1e6}
             if not a.no_baselines:
                 gemv_on, gemv_mod.GEMV_MAX_M = gemv_mod.GEMV_MAX_M, 0  # the paths as they ran before the GEMV

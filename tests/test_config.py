@@ -105,8 +105,7 @@ def test_bad_timeouts_are_named(var, value):
 
 @pytest.mark.parametrize("env,named", [({"LLMSERVE_HOST": ""}, "LLMSERVE_HOST"), ({"TRITON_METRICS_PORT": "0"}, "TRITON_METRICS_PORT"),
                                        ({"LLMSERVE_TORCH_KERNELS": "fast"}, "LLMSERVE_TORCH_KERNELS"),
-                                       ({"CHECK_HEALTH_INTERVAL": "nan"}, "CHECK_HEALTH_INTERVAL"),
-                                       ({"LLMSERVE_GEMV": "9"}, "LLMSERVE_GEMV")])  # fmt: skip
+                                       ({"CHECK_HEALTH_INTERVAL": "nan"}, "CHECK_HEALTH_INTERVAL")])  # fmt: skip
 def test_new_settings_are_checked(env, named):
     with pytest.raises(ConfigError, match=named):
         Config.from_env(env=env)
@@ -118,11 +117,6 @@ def test_read_one_setting_ignores_the_others():
     assert Config.read("triton_metrics_port", env) == 8002  # unset: the default
     with pytest.raises(ConfigError, match="BATCH_SIZE='many'"):
         Config.read("batch_size", env)
-
-
-def test_gemv_takes_a_row_count_or_on_off():
-    rows = [Config.read("gemv", {"LLMSERVE_GEMV": v}) for v in ("0", "1", "5", "8", "on", "off")]
-    assert rows == [0, 1, 5, 8, 1, 0] and Config.read("gemv", {}) == 1
 
 
 def test_cache_path_and_local_host():

@@ -17,10 +17,10 @@ from llmserve.runners.torch.kernels.gemv import gemv_ref
 
 def rand_weight(gen: torch.Generator, N: int, K: int, fmt: str, block: int, device: str = "cpu"):
     """(weight, scale): int8 codes or FP8 values over their whole range, per-row or block scales."""
+    if fmt == "bf16":  # unquantized: no scale
+        return torch.randn(N, K, generator=gen).to(torch.bfloat16).to(device), None
     if fmt == "int8":
         w = torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8)
-    elif fmt == "bf16":  # unquantized: no scale
-        return torch.randn(N, K, generator=gen).to(torch.bfloat16).to(device), None
     else:
         w = (torch.randn(N, K, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
     shape = (-(-N // block), -(-K // block)) if block else (N,)
@@ -31,7 +31,7 @@ def rand_weight(gen: torch.Generator, N: int, K: int, fmt: str, block: int, devi
 def float64_product(x, w, scale, block, bias):
     W = w.double()
     if scale is None:
-        s = torch.ones(1, 1, dtype=torch.float64)
+        s = torch.ones(1, 1, dtype=torch.float64, device=w.device)
     elif block:
         s = scale.double().repeat_interleave(block, 0)[: w.shape[0]].repeat_interleave(block, 1)[:, : w.shape[1]]
     else:
@@ -85,19 +85,6 @@ INTERP_SCRIPT = textwrap.dedent(
         w, s = rand_weight(gen, 96, 512, "fp8", block or 0)
         got = fp8_gemm.fp8_linear(x, w, s, block, None, torch.float32)
         assert torch.equal(got, G.gemv(x, w, s, block or 0, None, torch.float32)), block
-    # several rows share each weight tile (taken by the layers only up to GEMV_MAX_M: one until swept)
-    for M, N, K, fmt, block in [(2, 70, 300, "int8", 0), (5, 96, 512, "fp8", 128), (8, 40, 256, "int8", 0), (3, 48, 320, "bf16", 0)]:
-        w, s = rand_weight(gen, N, K, fmt, block)
-        x = torch.randn(M, K, generator=gen).to(torch.bfloat16)
-        bias = torch.randn(N, generator=gen)
-        for config in (None, (16, 64, 2, 0)):
-            y = G.gemv(x, w, s, block, bias, torch.float32, config=config)
-            assert y.shape == (M, N) and rel_err(y, float64_product(x, w, s, block, bias)) < 1e-5, (M, N, K, fmt)
-    x5 = torch.randn(5, 512, generator=gen).to(torch.bfloat16)
-    w, s = rand_weight(gen, 96, 512, "int8", 0)
-    assert not G.gemv_ok(x5, w)
-    G.GEMV_MAX_M = 8
-    assert G.gemv_ok(x5, w) and torch.equal(quant_gemm.w8a16_linear(x5, w, s, None, torch.float32), G.gemv(x5, w, s, 0, None, torch.float32))
     G.GEMV_MAX_M = 0  # off: the tensor-core kernel, a different summation order
     assert not G.gemv_ok(x, w)
     print("ok", len(cases))
@@ -114,15 +101,14 @@ def test_kernel_under_interpreter(fresh_seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt,block", [("int8", 0), ("fp8", 0), ("fp8", 128), ("bf16", 0)])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (1000, 1152)])
-@pytest.mark.parametrize("M", [1, 5])
-def test_gpu_against_float64(fmt, block, N, K, M, fresh_seed):
+def test_gpu_against_float64(fmt, block, N, K, fresh_seed):
     from llmserve.runners.torch.kernels.gemv import gemv
 
     if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 conversions need sm_89+")
     gen = torch.Generator().manual_seed(fresh_seed)
     w, s = rand_weight(gen, N, K, fmt, block, "cuda")
-    x = torch.randn(M, K, generator=gen).to(torch.bfloat16).cuda()
+    x = torch.randn(1, K, generator=gen).to(torch.bfloat16).cuda()
     bias = torch.randn(N, generator=gen).to(torch.bfloat16).cuda()
     ref = float64_product(x, w, s, block, bias)
     y = gemv(x, w, s, block, bias, torch.float32)

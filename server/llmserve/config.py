@@ -30,18 +30,6 @@ def _bool(raw: str) -> bool:
     raise ValueError(f"expected 0/1, got {raw!r}")
 
 
-def _gemv_rows(raw: str) -> int:
-    v = raw.strip().lower()
-    if v in ("true", "yes", "on"):
-        return 1
-    if v in ("false", "no", "off"):
-        return 0
-    rows = int(v)
-    if not 0 <= rows <= 8:
-        raise ValueError(f"expected 0 (off) to 8 rows, got {rows}")
-    return rows
-
-
 def _port(raw: str) -> int:
     p = int(raw)
     if p != -1 and not 0 < p < 65536:
@@ -325,11 +313,8 @@ class Config:
         _bool,
         doc="MP_NUM>1 on one node: a decode step's sums over the ranks fused with the RMSNorm after each",
     )
-    gemv: int = _setting(
-        "LLMSERVE_GEMV",
-        1,
-        _gemv_rows,
-        doc="CUDA: products of up to this many rows (0 off, <= 8) on our GEMV instead of cuBLAS",
+    gemv: bool = _setting(
+        "LLMSERVE_GEMV", True, _bool, doc="CUDA: one-row products (batch-1 decode) on our GEMV instead of cuBLAS"
     )
     torch_kernels: str = _setting(
         "LLMSERVE_TORCH_KERNELS",

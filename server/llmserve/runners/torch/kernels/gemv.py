@@ -1,4 +1,4 @@
-"""Decode GEMV: y = x @ (W * scale).T (+ bias), x 1-8 rows, W int8, FP8 E4M3 or bf16/fp16 (no scale).
+"""Batch-1 decode GEMV: y = x @ (W * scale).T (+ bias), x one row, W int8, FP8 E4M3 or bf16/fp16 (no scale).
 
 A batch-1 decode step reads every weight once and does two flops per weight byte: it is bound by how fast
 the weights stream, not by arithmetic. The tensor-core kernels (quant_gemm.py, fp8_gemm.py) pad the one
@@ -11,8 +11,7 @@ shared memory, no tile padding.
 Every program owns BLOCK_N whole rows (all of K): no split-K, so no atomics, no zeroed output and no
 second kernel; the result is written once, in the output dtype, and is the same run to run. Rows per
 program are few (4-16), so even a rank's share of a projection (N = 3072) spans every SM more than once.
-The accumulator is [BLOCK_N, BLOCK_K] and summed over K once, after the loop. Several rows of x (2-8:
-a verification step's, small batches) share each weight tile, an accumulator each.
+The accumulator is [BLOCK_N, BLOCK_K] and summed over K once, after the loop.
 
 Scales: one per output row (`scale` [N]), applied after the sum; or one per (row block, K block)
 (`scale` [ceil(N / SB), ceil(K / SB)], FP8's 128 x 128 blocks): a program's rows lie in one row block
@@ -29,7 +28,7 @@ import torch
 
 from llmserve.config import Config
 
-from . import next_pow2, use_triton
+from . import use_triton
 
 try:
     import triton
@@ -38,11 +37,8 @@ except ImportError:  # pragma: no cover
     triton = None
 
 # Products of at most this many rows run here (w8a16_linear, fp8_linear, unquantized layers and the LM head on
-# CUDA); 0 turns the GEMV off (LLMSERVE_GEMV: 0-8 rows; read at import, like LLMSERVE_TORCH_KERNELS)
-GEMV_MAX_M = Config.read("gemv")
-# The most rows the kernel takes: products of 2-8 rows (a verification step's, small batches) share each
-# weight tile; not yet swept on a GPU, so GEMV_MAX_M keeps them on cuBLAS / the tensor-core kernels
-GEMV_ROWS = 8
+# CUDA); 0 turns the GEMV off (LLMSERVE_GEMV=0; read at import, like LLMSERVE_TORCH_KERNELS)
+GEMV_MAX_M = 1 if Config.read("gemv") else 0
 
 if triton is not None:
 
@@ -61,16 +57,13 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(
-        x_ptr,  # [M, K], x's dtype, K contiguous
-        w_ptr,  # [N, K] int8 / float8e4nv / bf16 / fp16, K contiguous
+        x_ptr,  # [K], x's dtype
+        w_ptr,  # [N, K] int8 / float8e4nv, K contiguous
         s_ptr,  # fp32: [N] (SB == 0), [ceil(N / SB), ceil(K / SB)] (SB > 0), or unused (SB < 0)
         b_ptr,  # [N] or unused
-        out_ptr,  # [M, N]
-        M,
+        out_ptr,  # [N]
         N,
         K,
-        stride_xm,
-        stride_om,
         stride_wn,
         stride_sn,
         HAS_BIAS: tl.constexpr,
@@ -78,35 +71,24 @@ if triton is not None:
         CONV: tl.constexpr,
         EVEN_N: tl.constexpr,
         EVEN_K: tl.constexpr,
-        BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PREFETCH: tl.constexpr,
     ):
-        # BLOCK_M == 1: x one row, the accumulator [BLOCK_N, BLOCK_K]; else x's BLOCK_M rows share each
-        # weight tile, the accumulator [BLOCK_M, BLOCK_N, BLOCK_K].
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        rm = tl.arange(0, BLOCK_M)
         n_ok = rn < N
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         s_row = s_ptr
         if SB > 0:  # the scale row of the program's rows
             s_row += (tl.program_id(0) * BLOCK_N // SB) * stride_sn
-        if BLOCK_M == 1:
-            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        else:
-            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         w_next = _load_tile(w_ptrs, 0, n_ok, rk, K, EVEN_N, EVEN_K)
         for k in range(0, K, BLOCK_K):
-            if BLOCK_M == 1:
-                if EVEN_K:
-                    x = tl.load(x_ptr + k + rk).to(tl.float32)
-                else:
-                    x = tl.load(x_ptr + k + rk, mask=(k + rk) < K, other=0.0).to(tl.float32)
+            if EVEN_K:
+                x = tl.load(x_ptr + k + rk).to(tl.float32)
             else:
-                x_ptrs = x_ptr + rm[:, None] * stride_xm + (k + rk)[None, :]
-                x = tl.load(x_ptrs, mask=(rm < M)[:, None] & ((k + rk) < K)[None, :], other=0.0).to(tl.float32)
+                x = tl.load(x_ptr + k + rk, mask=(k + rk) < K, other=0.0).to(tl.float32)
             if SB > 0:  # block scales: x takes its K block's scale (BLOCK_N divides SB: one row of blocks)
                 x *= tl.load(s_row + (k + rk) // SB, mask=(k + rk) < K, other=0.0)
             if PREFETCH:  # the next tile's loads are in flight while this one is multiplied
@@ -114,24 +96,14 @@ if triton is not None:
                 w_next = _load_tile(w_ptrs + BLOCK_K, k + BLOCK_K, n_ok, rk, K, EVEN_N, False)
             else:
                 w = _load_tile(w_ptrs, k, n_ok, rk, K, EVEN_N, EVEN_K)
-            if BLOCK_M == 1:
-                acc += _to_f32(w, CONV) * x[None, :]
-            else:
-                acc += _to_f32(w, CONV)[None, :, :] * x[:, None, :]
+            acc += _to_f32(w, CONV) * x[None, :]
             w_ptrs += BLOCK_K
-        if BLOCK_M == 1:
-            y = tl.sum(acc, axis=1)
-        else:
-            y = tl.sum(acc, axis=2)  # [BLOCK_M, BLOCK_N]
+        y = tl.sum(acc, axis=1)
         if SB == 0:  # SB < 0: no scale (bf16 weights)
             y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        if BLOCK_M == 1:
-            tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
-        else:
-            out = out_ptr + rm[:, None] * stride_om + rn[None, :]
-            tl.store(out, y.to(out_ptr.dtype.element_ty), mask=(rm < M)[:, None] & n_ok[None, :])
+        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def gemv_ref(
@@ -157,16 +129,11 @@ def gemv_ref(
     return y.to(out_dtype or x.dtype)
 
 
-def gemv_launch(N: int, itemsize: int = 1, rows: int = 1) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, PREFETCH) for N output rows of `itemsize`-byte weights and `rows` rows
-    of x. One row, from sweeps on an H100 (scripts/sweep_gemv.py; the 8B shape's projections, whole and at
-    MP_NUM=2, and its LM head): 8-bit, 8 x 1024 tiles were the fastest or within 3% up to 4096 rows,
-    16 x 512 (8 warps) on 6144 and 16 x 256 on 14336-28672 (7-10% faster than 8 x 1024); 16-bit, 4 x 2048
-    on every shape. Several rows (not swept): the one-row tile's K shortened so that the accumulator of
-    all rows stays at 64 registers a thread."""
-    if rows > 1:
-        bn, bk = (4, 2048) if itemsize > 1 else (8, 1024)
-        return bn, max(64, bk // next_pow2(rows)), 4, 0
+def gemv_launch(N: int, itemsize: int = 1) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, PREFETCH) for N output rows of `itemsize`-byte weights, from sweeps on
+    an H100 (scripts/sweep_gemv.py; the 8B shape's projections, whole and at MP_NUM=2, and its LM head).
+    8-bit: 8 x 1024 tiles were the fastest or within 3% up to 4096 rows, 16 x 512 (8 warps) on 6144 and
+    16 x 256 on 14336-28672 (7-10% faster than 8 x 1024). 16-bit: 4 x 2048 on every shape."""
     if itemsize > 1:
         return 4, 2048, 4, 0
     if N >= 8192:
@@ -177,13 +144,11 @@ def gemv_launch(N: int, itemsize: int = 1, rows: int = 1) -> tuple[int, int, int
 
 
 def gemv_ok(x: torch.Tensor, weight: torch.Tensor, block: int = 0) -> bool:
-    """Whether `gemv` runs this product: 1 to GEMV_MAX_M rows, Triton, a K-contiguous weight, and (block
-    scales) a block that the rows of a program divide."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= min(GEMV_MAX_M, GEMV_ROWS) or not use_triton(x):
+    """Whether `gemv` runs this product: at most GEMV_MAX_M rows (one), Triton, a K-contiguous weight, and
+    (block scales) a block that the rows of a program divide."""
+    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M or not use_triton(x) or weight.stride(1) != 1:
         return False  # (no rows: the logits of a step that samples none)
-    if weight.stride(1) != 1:
-        return False
-    return block == 0 or block % gemv_launch(weight.shape[0], weight.element_size(), x.shape[0])[0] == 0
+    return block == 0 or block % gemv_launch(weight.shape[0], weight.element_size())[0] == 0
 
 
 def gemv(
@@ -196,15 +161,14 @@ def gemv(
     config: tuple[int, int, int, int] | None = None,
     conv: int | None = None,
 ) -> torch.Tensor:
-    """x [M, K] (M <= GEMV_ROWS) @ (weight [N, K] int8 or float8_e4m3fn, times scale).T (+ bias [N]) ->
-    [M, N] in out_dtype (default x's). scale: fp32 [N] (block 0), or [ceil(N / block), ceil(K / block)]; None with a bf16/fp16
+    """x [1, K] @ (weight [N, K] int8 or float8_e4m3fn, times scale).T (+ bias [N]) -> [1, N] in out_dtype
+    (default x's). scale: fp32 [N] (block 0), or [ceil(N / block), ceil(K / block)]; None with a bf16/fp16
     weight (unquantized layers, the LM head). config, conv: the launch and the conversion, for the sweep
     (defaults: gemv_launch; the mantissa path for int8)."""
     N, K = weight.shape
-    M = x.shape[0]
-    if x.dim() != 2 or x.shape[1] != K or not 1 <= M <= GEMV_ROWS:
-        raise ValueError(f"gemv: x {tuple(x.shape)} is not 1 to {GEMV_ROWS} rows of K={K}")
-    block_n, block_k, warps, prefetch = config or gemv_launch(N, weight.element_size(), M)
+    if x.shape != (1, K):
+        raise ValueError(f"gemv: x {tuple(x.shape)} is not one row of K={K}")
+    block_n, block_k, warps, prefetch = config or gemv_launch(N, weight.element_size())
     if block % block_n:
         raise ValueError(f"gemv: BLOCK_N={block_n} does not divide the scale block {block}")
     if conv is None:
@@ -212,18 +176,15 @@ def gemv(
     x = x.contiguous()
     if scale is not None:
         scale = scale.contiguous()
-    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x,
         weight,
         scale if scale is not None else weight,
         bias if bias is not None else weight,
         out,
-        M,
         N,
         K,
-        x.stride(0),
-        out.stride(0),
         weight.stride(0),
         scale.stride(0) if scale is not None else 0,
         HAS_BIAS=bias is not None,
@@ -231,7 +192,6 @@ def gemv(
         CONV=conv,
         EVEN_N=N % block_n == 0,
         EVEN_K=K % block_k == 0,
-        BLOCK_M=next_pow2(M),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PREFETCH=bool(prefetch),
