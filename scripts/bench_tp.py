@@ -321,11 +321,16 @@ def main() -> None:
     ap.add_argument(
         "--separate-norm", action="store_true", help="LLMSERVE_TP_FUSED_NORM=0: sum, then normalize (the baseline)"
     )
+    ap.add_argument(
+        "--no-push", action="store_true", help="LLMSERVE_TP_GEMV_PUSH=0: the fused sums read the GEMVs' rows back"
+    )
     ap.add_argument("--profile", action="store_true", help="rank 0's kernels a batch-1 decode step (decode)")
     a = ap.parse_args()
     OUT, PROFILE = a.out, a.profile
     ENGINE_KW["tp_fused_norm"] = not a.separate_norm
+    ENGINE_KW["tp_gemv_push"] = not a.no_push
     R["fused_norm_setting"] = not a.separate_norm
+    R["gemv_push_setting"] = not a.no_push
     mps = [int(x) for x in a.mp.split(",")]
     skip = set(a.skip.split(","))
     work = Path(a.work)

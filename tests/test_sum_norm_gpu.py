@@ -3,7 +3,10 @@
 Each rank gets fresh random partials; the reference is the float64 sum of every rank's partial (gathered
 by NCCL), added to the residual, normalized in float64. Checked eagerly over rows of 1 to 64 (both
 halves of the buffer, the epochs of rows that skip calls) and replayed in a CUDA graph with new data,
-and every rank must get the same bits. Needs two CUDA devices (skipped otherwise; CI has none).
+and every rank must get the same bits. Then batch-1 row-parallel GEMVs (bf16 and int8 weights) that push
+their rows into the fused sum themselves (TensorParallel.row_parallel): the same bits as the GEMV's row
+read back by the sum kernel, eagerly and in a CUDA graph. Needs two CUDA devices (skipped otherwise; CI
+has none).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ def _rank(rank: int, world: int, port: int, q) -> None:
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     tp = with_one_shot(TensorParallel(rank, world, dist.group.WORLD))
-    out: dict = {"rank": rank, "fused": tp.fused_norm is not None, "errors": [], "same": []}
+    out: dict = {"rank": rank, "fused": tp.fused_norm is not None, "errors": [], "same": [], "pushed": [], "equal": []}
     if tp.fused_norm is not None:
         gen = torch.Generator("cuda").manual_seed(100 + rank)
         w = torch.rand(N, device="cuda", generator=torch.Generator("cuda").manual_seed(7)).to(torch.bfloat16)
@@ -84,9 +87,51 @@ def _rank(rank: int, world: int, port: int, q) -> None:
             out["errors"].append(
                 ((sres.double() - s2).abs().max().item(), (b.double() - y2).abs().max().item(), y2.abs().max().item())
             )
+        _pushed(tp, w, gen, res_gen, check, out)
     q.put(out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _pushed(tp, w, gen, res_gen, check, out) -> None:
+    from llmserve.runners.torch.kernels.sum_norm import Pushed
+    from llmserve.runners.torch.linear import Linear
+    from llmserve.runners.torch.quant import formats
+    from llmserve.runners.torch.quant.methods import W8, LinearMethod
+
+    K, f32 = 1024, torch.float32
+    weight = (torch.randn(N, K, device="cuda", generator=gen) / 32).to(torch.bfloat16)
+    qweight, scale = formats.quantize_w8(weight)
+    layers = [Linear(LinearMethod(torch.bfloat16), {"weight": weight}), Linear(W8(torch.bfloat16), {"qweight": qweight, "scale": scale})]  # fmt: skip
+    for lin in layers * 2:
+        x = torch.randn(1, K, device="cuda", generator=gen).to(torch.bfloat16)
+        res0 = torch.randn(1, N, device="cuda", generator=res_gen)
+        pushed = tp.row_parallel(lin, x, f32)
+        out["pushed"].append(isinstance(pushed, Pushed))
+        got_res, want_res = res0.clone(), res0.clone()
+        got = tp.sum_norm(pushed, w, 1e-5, got_res)
+        h = lin(x, f32)
+        want = tp.sum_norm(h, w, 1e-5, want_res)  # the row read back by the sum kernel
+        out["equal"].append(torch.equal(got, want) and torch.equal(got_res, want_res))
+        check(got, got_res, h, res0)
+    # A layer's two pushed sums in a CUDA graph (o, then down), replayed on new data.
+    sx, sres = torch.zeros(1, K, device="cuda", dtype=torch.bfloat16), torch.zeros(1, N, device="cuda")
+    g = torch.cuda.CUDAGraph()
+    torch.cuda.synchronize()
+    with torch.cuda.graph(g):
+        a = tp.sum_norm(tp.row_parallel(layers[0], sx, f32), w, 1e-5, sres)
+        b = tp.sum_norm(tp.row_parallel(layers[1], sx, f32), w, 1e-5, sres)
+    for _ in range(3):
+        x = torch.randn(1, K, device="cuda", generator=gen).to(torch.bfloat16)
+        res0 = torch.randn(1, N, device="cuda", generator=res_gen)
+        sx.copy_(x)
+        sres.copy_(res0)
+        g.replay()
+        torch.cuda.synchronize()
+        want_res = res0.clone()
+        want_a = tp.sum_norm(layers[0](x, f32), w, 1e-5, want_res)
+        want_b = tp.sum_norm(layers[1](x, f32), w, 1e-5, want_res)
+        out["equal"].append(torch.equal(a, want_a) and torch.equal(b, want_b) and torch.equal(sres, want_res))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -109,6 +154,8 @@ def test_fused_sum_norm_matches_the_float64_reference_on_two_gpus():
     for r in results:
         assert r["fused"], "the fused kernel failed its start-up check"
         assert all(r["same"]), "ranks got different bits"
+        assert len(r["pushed"]) == 4 and all(r["pushed"]), "a batch-1 GEMV did not push its row"
+        assert len(r["equal"]) == 7 and all(r["equal"]), "a pushed row summed to other bits than the row read back"
         for res_err, y_err, scale in r["errors"]:
             assert res_err < 1e-4  # fp32 sums of O(1) values
             assert y_err < 2e-2 * max(1.0, scale)  # bf16 output

@@ -313,6 +313,12 @@ class Config:
         _bool,
         doc="MP_NUM>1 on one node: a decode step's sums over the ranks fused with the RMSNorm after each",
     )
+    tp_gemv_push: bool = _setting(
+        "LLMSERVE_TP_GEMV_PUSH",
+        True,
+        _bool,
+        doc="with the fused sums: a batch-1 row-parallel GEMV writes its row into every rank's buffer itself",
+    )
     gemv: bool = _setting(
         "LLMSERVE_GEMV", True, _bool, doc="CUDA: one-row products (batch-1 decode) on our GEMV instead of cuBLAS"
     )

@@ -218,7 +218,7 @@ def start_executor(model_dir: str, config: Config) -> TPExecutor:
 
     stop = threading.Event()  # set: the monitor stands down (shutdown, or a start that failed)
     try:
-        tp, store = join(lay, 0, config.dist_timeout, cuda, check, config.tp_fused_norm)
+        tp, store = join(lay, 0, config.dist_timeout, cuda, check, config.tp_fused_norm, config.tp_gemv_push)
         ch = _Channels(lay, store, zmq.Context.instance())
         ch.wait_hellos(lay, config.dist_timeout, check)
         # Heartbeat ids: each worker says hello on it with its rank first.

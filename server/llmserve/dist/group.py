@@ -27,10 +27,11 @@ class RendezvousError(RuntimeError):
 
 
 def join(
-    lay: Layout, rank: int, timeout: float, cuda: bool, check=None, fused_norm: bool = True
+    lay: Layout, rank: int, timeout: float, cuda: bool, check=None, fused_norm: bool = True, push: bool = True
 ) -> tuple[TensorParallel, dist.TCPStore]:
     """Meet the other ranks and join the process group (NCCL when `cuda`, else gloo). `check()`, called
-    while rank 0 waits, raises when a rank it started died meanwhile. `fused_norm`: LLMSERVE_TP_FUSED_NORM."""
+    while rank 0 waits, raises when a rank it started died meanwhile. `fused_norm`: LLMSERVE_TP_FUSED_NORM;
+    `push`: LLMSERVE_TP_GEMV_PUSH."""
     where = f"{lay.master}:{lay.port}"
     try:
         store = dist.TCPStore(
@@ -62,7 +63,7 @@ def join(
     dist.init_process_group(backend, store=store, rank=rank, world_size=lay.world, timeout=timedelta(seconds=timeout))
     tp = TensorParallel(rank, lay.world, dist.group.WORLD)
     if cuda and lay.nodes == 1:  # NVLink peers: small sums (decode steps) in one kernel
-        tp = with_one_shot(tp, fused_norm)
+        tp = with_one_shot(tp, fused_norm, push)
         how = "one-shot" if tp.one_shot else "NCCL"
         fused = ", fused with the norm after them" if tp.fused_norm else ""
         log.info("rank %d: sums up to %d KB %s%s", rank, tp.one_shot_bytes >> 10, how, fused)

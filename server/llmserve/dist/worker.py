@@ -64,7 +64,9 @@ def main() -> None:
         torch.cuda.set_device(rank % lay.per_node)
     else:
         torch.set_num_threads(threads_per_rank(lay))
-    tp, store = join(lay, rank, config.dist_timeout, cuda, fused_norm=config.tp_fused_norm)
+    tp, store = join(
+        lay, rank, config.dist_timeout, cuda, fused_norm=config.tp_fused_norm, push=config.tp_gemv_push
+    )
     ctx = zmq.Context.instance()
     steps = ctx.socket(zmq.DEALER)
     steps.setsockopt(zmq.LINGER, 0)

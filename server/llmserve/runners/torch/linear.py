@@ -39,6 +39,16 @@ class Linear:
             x = x.index_select(-1, self.perm)
         return self.method.apply(self.w, x, self.bias, out_dtype)
 
+    def gemv_operands(
+        self, x: torch.Tensor, out_dtype: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
+        """(weight, scale, block) when `self(x, out_dtype)` is one kernels/gemv.py product as it stands (no
+        bias, no input permutation, not in parts), else None: for a caller that runs the GEMV itself
+        (a row-parallel projection pushing its row into the fused sum, kernels/sum_norm.py)."""
+        if self.parts is not None or self.perm is not None or self.bias is not None:
+            return None
+        return self.method.gemv_operands(self.w, x, out_dtype)
+
     @property
     def nbytes(self) -> int:
         """Bytes a batch-1 step reads (the decode floor's): where a method keeps a second layout for

@@ -203,9 +203,10 @@ class DecoderModel:
         rope_and_cache(qkv, positions, slot_mapping, self.cos_sin, k, v, H, KVH, k_scale, v_scale)
         q = qkv[:, : H * D].view(T, H, D)
         attn = paged_attention(q, k, v, meta, self.scale, self.dtype, k_scale, v_scale)
-        h = lw.o(attn.view(T, H * D), self.out_dtype)  # row-parallel: the ranks' parts are summed with the norm
+        # o and down are row-parallel: the ranks' parts are summed with the norm after each
+        h = self.tp.row_parallel(lw.o, attn.view(T, H * D), self.out_dtype)
         x = self.tp.sum_norm(h, lw.post_norm, self.cfg.rms_norm_eps, residual)
-        return lw.down(swiglu(lw.gate_up(x, self.out_dtype), self.dtype), self.out_dtype)
+        return self.tp.row_parallel(lw.down, swiglu(lw.gate_up(x, self.out_dtype), self.dtype), self.out_dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """With `wide`, written in fp32 by cuBLAS instead of rounded to bf16. With several ranks, each

@@ -45,8 +45,17 @@ class TensorParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def sum_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
-        """RMSNorm of `residual += the ranks' sum of x` (a row-parallel projection's partial output)."""
+    def row_parallel(self, linear, x: torch.Tensor, out_dtype: torch.dtype):
+        """A row-parallel projection's partial output, for `sum_norm` next. Where the fused sum takes it and
+        the product runs on kernels/gemv.py (batch-1 decode), the GEMV writes it straight into every rank's
+        buffer of the fused sum and this returns a `Pushed` (kernels/sum_norm.py)."""
+        if self.fused_norm is not None and (pushed := self.fused_norm.push(linear, x, out_dtype)) is not None:
+            return pushed
+        return linear(x, out_dtype)
+
+    def sum_norm(self, x, w: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of `residual += the ranks' sum of x` (a row-parallel projection's partial output, or the
+        `Pushed` that `row_parallel` returned for it)."""
         if self.size > 1:
             if self.fused_norm is not None and self.fused_norm.fits(x, residual):
                 return self.fused_norm(x, w, eps, residual)
@@ -107,9 +116,9 @@ class OneShotAllReduce:
 _one_shot_taken = False  # this process has set up symmetric memory for a group already
 
 
-def with_one_shot(tp: TensorParallel, fused_norm: bool = True) -> TensorParallel:
+def with_one_shot(tp: TensorParallel, fused_norm: bool = True, push: bool = True) -> TensorParallel:
     """`tp` with the one-shot all-reduce for small sums, or as it is where this torch or GPU has none,
-    and with `fused_norm` the fused sum + RMSNorm too (with_fused_norm).
+    and with `fused_norm` the fused sum + RMSNorm too (with_fused_norm; `push`: its GEMVs push).
     Checked once on fresh data: its sum must be NCCL's, and bit-identical on every rank (each rank sums
     for itself, and the ranks must sample the same tokens from the same logits)."""
     global _one_shot_taken
@@ -134,7 +143,7 @@ def with_one_shot(tp: TensorParallel, fused_norm: bool = True) -> TensorParallel
     ok = same and torch.allclose(got, want, rtol=1e-5, atol=1e-5)
     if _agree(ok, tp):
         tp = replace(tp, one_shot=one_shot, one_shot_bytes=ONE_SHOT_BYTES)
-    return with_fused_norm(tp) if fused_norm else tp
+    return with_fused_norm(tp, push) if fused_norm else tp
 
 
 def _agree(ok: bool, tp: TensorParallel) -> bool:
@@ -144,10 +153,12 @@ def _agree(ok: bool, tp: TensorParallel) -> bool:
     return bool(agreed.item())
 
 
-def with_fused_norm(tp: TensorParallel) -> TensorParallel:
+def with_fused_norm(tp: TensorParallel, push: bool = True) -> TensorParallel:
     """`tp` with the fused sum + RMSNorm for decode-sized steps, where its symmetric memory works. Checked
     once on fresh data against the separate sum and norm: bit-identical on every rank, and close to them
-    (rows of 1, 3 and the most it takes, twice each: both halves of its buffer)."""
+    (rows of 1, 3 and the most it takes, twice each: both halves of its buffer). `push`
+    (LLMSERVE_TP_GEMV_PUSH): batch-1 row-parallel GEMVs write their rows into its buffers themselves
+    (TensorParallel.row_parallel)."""
     from .kernels.sum_norm import FusedSumNorm
 
     if tp.size & (tp.size - 1):  # worlds of 2, 4, 8 only (a node's NVLink groups); it has run on 2
@@ -155,7 +166,7 @@ def with_fused_norm(tp: TensorParallel) -> TensorParallel:
     gen = torch.Generator("cuda").manual_seed(1234 + tp.rank)
     ok, fused = True, None
     try:
-        fused = FusedSumNorm(tp.group, tp.rank, tp.size, ONE_SHOT_BYTES)
+        fused = FusedSumNorm(tp.group, tp.rank, tp.size, ONE_SHOT_BYTES, push=push)
         n = 1024
         w = torch.rand(n, device="cuda", generator=torch.Generator("cuda").manual_seed(99)).to(torch.bfloat16)
         for rows in (1, 3, ONE_SHOT_BYTES // (4 * n), 1, 3, ONE_SHOT_BYTES // (4 * n)):

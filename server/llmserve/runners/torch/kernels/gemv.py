@@ -20,6 +20,9 @@ Scales: one per output row (`scale` [N]), applied after the sum; or one per (row
 int8 becomes fp32 exactly through the float's mantissa (bits 0x4B000080 + q are 2^23 + 128 + q), an integer
 add and a float subtract instead of the quarter-rate integer-to-float conversion; FP8 through the
 hardware's paired E4M3 -> f16 conversion (sm_89+); bf16 is a shift.
+
+`push`: the row goes, as kernels/sum_norm.py's words, into every rank's buffer of the fused sum that
+follows a row-parallel projection (FusedSumNorm.push) instead of into an output tensor.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ from . import use_triton
 try:
     import triton
     import triton.language as tl
+
+    from .sum_norm import push_words
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -66,6 +71,9 @@ if triton is not None:
         K,
         stride_wn,
         stride_sn,
+        bases_ptr,  # PUSH: kernels/sum_norm.py's buffers, of every rank
+        epochs_ptr,  # PUSH: its calls so far (of row 0)
+        slot,  # PUSH: its words a slot
         HAS_BIAS: tl.constexpr,
         SB: tl.constexpr,
         CONV: tl.constexpr,
@@ -74,6 +82,9 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PREFETCH: tl.constexpr,
+        PUSH: tl.constexpr,
+        RANK: tl.constexpr,
+        WORLD: tl.constexpr,
     ):
         rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
@@ -103,7 +114,10 @@ if triton is not None:
             y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+        if PUSH:  # the fused sum's next call (it adds the 1 to the epoch itself)
+            push_words(y, rn, n_ok, bases_ptr, tl.load(epochs_ptr) + 1, slot, RANK, WORLD)
+        else:
+            tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
 def gemv_ref(
@@ -160,11 +174,13 @@ def gemv(
     out_dtype: torch.dtype | None = None,
     config: tuple[int, int, int, int] | None = None,
     conv: int | None = None,
-) -> torch.Tensor:
+    push: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None,
+) -> torch.Tensor | None:
     """x [1, K] @ (weight [N, K] int8 or float8_e4m3fn, times scale).T (+ bias [N]) -> [1, N] in out_dtype
     (default x's). scale: fp32 [N] (block 0), or [ceil(N / block), ceil(K / block)]; None with a bf16/fp16
     weight (unquantized layers, the LM head). config, conv: the launch and the conversion, for the sweep
-    (defaults: gemv_launch; the mantissa path for int8)."""
+    (defaults: gemv_launch; the mantissa path for int8). push: (bases, epochs, rank, world, slot) of a
+    FusedSumNorm, which then gets the fp32 row instead of the caller (returns None)."""
     N, K = weight.shape
     if x.shape != (1, K):
         raise ValueError(f"gemv: x {tuple(x.shape)} is not one row of K={K}")
@@ -176,7 +192,8 @@ def gemv(
     x = x.contiguous()
     if scale is not None:
         scale = scale.contiguous()
-    out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device)
+    out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device) if push is None else weight
+    bases, epochs, rank, world, slot = push or (weight, weight, 0, 1, 0)
     _gemv_kernel[(triton.cdiv(N, block_n),)](
         x,
         weight,
@@ -187,6 +204,9 @@ def gemv(
         K,
         weight.stride(0),
         scale.stride(0) if scale is not None else 0,
+        bases,
+        epochs,
+        slot,
         HAS_BIAS=bias is not None,
         SB=block if scale is not None else -1,
         CONV=conv,
@@ -195,7 +215,10 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PREFETCH=bool(prefetch),
+        PUSH=push is not None,
+        RANK=rank,
+        WORLD=world,
         num_warps=warps,
         num_stages=1,
     )
-    return out
+    return out if push is None else None

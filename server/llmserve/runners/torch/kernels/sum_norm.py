@@ -21,9 +21,17 @@ starts call i+1 after its own call i), so its call i+2 may overwrite those slots
 carry the epoch of two calls before, never equal to this one's (32 bits of it; the buffer starts at
 0, the first epoch is 1).
 Only for ranks of one node, and rows that fit the buffer; `TensorParallel.sum_norm` chooses.
+
+Step 1 can be done by the product before: a batch-1 row-parallel projection that runs on kernels/gemv.py
+writes its row as these words straight into every rank's buffer from all of its programs (`push`), and
+the kernel then only waits, sums and normalizes (`Pushed`). The peers' words then arrive as their GEMVs
+end, not after their sum kernels start and read the row back; the halves' argument holds as it is (a
+rank's GEMV of call i+2 runs after its sum kernel of call i+1).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -35,11 +43,32 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
+
+@dataclass(frozen=True)
+class Pushed:
+    """A row-parallel product's partial rows, written by its GEMV into every rank's buffer (FusedSumNorm.push)
+    instead of returned: what `FusedSumNorm` sums next."""
+
+    rows: int
+    cols: int
+
+
 if triton is not None:
 
     @triton.jit
+    def push_words(x, at, mask, bases_ptr, epoch, slot, RANK: tl.constexpr, WORLD: tl.constexpr):
+        """fp32 `x` as this call's words (value | epoch << 32) at offsets `at` of this rank's slot of every
+        rank's buffer (the half of the epoch's parity); pushed: remote stores do not wait for a reply."""
+        tag = epoch & 0xFFFFFFFF
+        word = (x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) | (tag << 32)
+        at += ((epoch % 2) * WORLD + RANK) * slot
+        for r in tl.static_range(WORLD):
+            base = tl.load(bases_ptr + r).to(tl.pointer_type(tl.int64))
+            tl.store(base + at, word, mask=mask)
+
+    @triton.jit
     def _sum_norm_kernel(
-        x_ptr,  # [T, n] fp32: this rank's partial
+        x_ptr,  # [T, n] fp32: this rank's partial (PUSHED: unused, its GEMV pushed it)
         bases_ptr,  # [WORLD] int64: every rank's buffer address
         epochs_ptr,  # [max_rows] int64: calls so far, per row (this rank's own memory)
         res_ptr,  # [T, n] fp32 residual, updated in place
@@ -51,6 +80,7 @@ if triton is not None:
         RANK: tl.constexpr,
         WORLD: tl.constexpr,
         BLOCK: tl.constexpr,
+        PUSHED: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
@@ -59,12 +89,9 @@ if triton is not None:
         tl.store(epochs_ptr + row, epoch)
         half = epoch % 2  # this row's calls alternate between the halves
         tag = epoch & 0xFFFFFFFF  # the high half of every word this call writes
-        x = tl.load(x_ptr + row * n + cols, mask=m, other=0.0)
-        word = (x.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF) | (tag << 32)
-        at = (half * WORLD + RANK) * slot + row * n  # this rank's slot, the same in every buffer
-        for r in tl.static_range(WORLD):  # pushed: remote stores do not wait for a reply
-            base = tl.load(bases_ptr + r).to(tl.pointer_type(tl.int64))
-            tl.store(base + at + cols, word, mask=m)
+        if not PUSHED:
+            x = tl.load(x_ptr + row * n + cols, mask=m, other=0.0)
+            push_words(x, row * n + cols, m, bases_ptr, epoch, slot, RANK, WORLD)
         local = tl.load(bases_ptr + RANK).to(tl.pointer_type(tl.int64))
         acc = tl.zeros((BLOCK,), tl.float32)
         for r in tl.static_range(WORLD):  # in rank order: the same bits on every rank
@@ -84,10 +111,11 @@ class FusedSumNorm:
     """`(partial, weight, eps, residual) -> RMSNorm(residual += sum over ranks of partial)`, for rows of
     at most `max_bytes` of fp32 with an fp32 residual (`fits`). Built collectively: every rank of `group` at once."""
 
-    def __init__(self, group, rank: int, world: int, max_bytes: int, max_rows: int = 256) -> None:
+    def __init__(self, group, rank: int, world: int, max_bytes: int, max_rows: int = 256, push: bool = True) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world, self.max_bytes, self.max_rows = rank, world, max_bytes, max_rows
+        self.take_pushes = push  # LLMSERVE_TP_GEMV_PUSH
         # Two halves of one slot per sending rank, each value an 8-byte word (below).
         size = 2 * world * (max_bytes // 4) * 8
         self.buf = symm_mem.empty(size, dtype=torch.uint8, device="cuda")
@@ -98,17 +126,39 @@ class FusedSumNorm:
         torch.cuda.synchronize()
         torch.distributed.barrier(group=group)  # every rank's words are zero before anyone writes
 
-    def fits(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+    def fits(self, x: torch.Tensor | Pushed, residual: torch.Tensor) -> bool:
+        if isinstance(x, Pushed):
+            return residual.shape == (x.rows, x.cols) and residual.dtype == torch.float32 and residual.is_contiguous()
         small = x.shape[0] <= self.max_rows and x.numel() * 4 <= self.max_bytes
         return small and x.dtype == residual.dtype == torch.float32 and residual.is_contiguous()
 
-    def __call__(self, x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
-        T, n = x.shape
-        x = x if x.is_contiguous() else x.contiguous()
-        out = torch.empty((T, n), dtype=w.dtype, device=x.device)
+    def push(self, linear, x: torch.Tensor, out_dtype: torch.dtype) -> Pushed | None:
+        """`linear(x, out_dtype)`'s partial row written by kernels/gemv.py straight into every rank's buffer,
+        for this object's next call; None (nothing run) where that product would not run on the GEMV."""
+        if not self.take_pushes or out_dtype != torch.float32 or x.dim() != 2 or x.shape[0] != 1:
+            return None
+        operands = linear.gemv_operands(x, out_dtype)
+        if operands is None or operands[0].shape[0] * 4 > self.max_bytes:
+            return None
+        from .gemv import gemv
+
+        weight, scale, block = operands
+        gemv(x, weight, scale, block, None, out_dtype, push=(self.bases, self.epochs, self.rank, self.world, self.slot))
+        return Pushed(1, weight.shape[0])
+
+    @property
+    def slot(self) -> int:
+        """8-byte words of one (half, sending rank) slot."""
+        return self.max_bytes // 4
+
+    def __call__(self, x: torch.Tensor | Pushed, w: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
+        pushed = isinstance(x, Pushed)
+        T, n = (x.rows, x.cols) if pushed else x.shape
+        x = residual if pushed else x if x.is_contiguous() else x.contiguous()  # (pushed: x unread)
+        out = torch.empty((T, n), dtype=w.dtype, device=residual.device)
         block = next_pow2(n)
         _sum_norm_kernel[(T,)](
-            x, self.bases, self.epochs, residual, w, out, n, eps, self.max_bytes // 4,
-            RANK=self.rank, WORLD=self.world, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+            x, self.bases, self.epochs, residual, w, out, n, eps, self.slot,
+            RANK=self.rank, WORLD=self.world, BLOCK=block, PUSHED=pushed, num_warps=min(16, max(1, block // 256)),
         )  # fmt: skip
         return out

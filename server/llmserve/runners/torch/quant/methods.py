@@ -101,6 +101,13 @@ class LinearMethod:
         out = torch.mm(x, W.t(), out_dtype)  # cuBLAS writes fp32 (model.py: `wide`)
         return out if bias is None else out.add_(bias)
 
+    def gemv_operands(self, w: dict[str, torch.Tensor], x: torch.Tensor, out_dtype: torch.dtype):
+        """(weight, scale, block) where `apply` gives this product to kernels/gemv.py, else None."""
+        if self is not self.dense:  # a format without a GEMV path
+            return None
+        W = w["weight"]
+        return (W, None, 0) if x.is_cuda and out_dtype != x.dtype and gemv_ok(x, W) else None
+
 
 class W8(LinearMethod):
     """Weight-only int8, per output channel; quantized at load (QUANT_TYPE=weight_only_int8)."""
@@ -114,6 +121,9 @@ class W8(LinearMethod):
 
     def apply(self, w, x, bias, out_dtype):
         return w8a16_linear(x, w["qweight"], w["scale"], bias, out_dtype)
+
+    def gemv_operands(self, w, x, out_dtype):
+        return (w["qweight"], w["scale"].contiguous(), 0) if gemv_ok(x, w["qweight"]) else None
 
 
 class W4(LinearMethod):
@@ -198,6 +208,12 @@ class FP8(LinearMethod):
 
     def apply(self, w, x, bias, out_dtype):
         return fp8_linear(x, w["weight"], w["scale"], self.block, bias, out_dtype)
+
+    def gemv_operands(self, w, x, out_dtype):
+        block = self.block or 0
+        if fp8_path(x.device) != "w8a8" or (block and (block < 16 or block & (block - 1))):
+            return None  # fp8_linear's reference and weight-only paths
+        return (w["weight"], w["scale"].contiguous(), block) if gemv_ok(x, w["weight"], block) else None
 
 
 def tinygemm_operands(
