@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Issue 17 on several GPUs: the fused-sum GPU test (two GPUs), then scripts/bench_tp.py's batch-1 decode with
-# the row-parallel GEMVs pushing their rows (LLMSERVE_TP_GEMV_PUSH, the default), without, and with again
-# (each its own process, profiled; MPS="2,4" on four GPUs). Results in $OUT.
+# Issue 17 on several GPUs: the GEMV's and the fused sum's GPU tests, then scripts/bench_tp.py's batch-1
+# decode, profiled, once per entry of RUNS (each its own process): NAME:MPS, where a NAME holding "nopush"
+# sets LLMSERVE_TP_GEMV_PUSH=0 (bench_tp.py --no-push) and one holding "noglu" LLMSERVE_GEMV_GLU=0; MPS the
+# MP_NUM values beside 1 (one process takes symmetric memory for one group only: MP_NUM=4 in its own run).
+# Results in $OUT.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/tp-push-out}"
@@ -10,15 +12,17 @@ pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2
 export PYTHONPATH="$PWD/server:$PWD/scripts:$PWD/tests:/tmp/site" NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
 if [[ "${TESTS:-1}" == 1 ]]; then
-  timeout 200 python -m pytest -q -p no:cacheprovider tests/test_sum_norm_gpu.py > "$OUT/sum_norm_test.log" 2>&1
-  echo "test rc $?"; tail -3 "$OUT/sum_norm_test.log"
+  timeout 300 python -m pytest -q -p no:cacheprovider tests/test_sum_norm_gpu.py tests/test_gemv.py -m gpu \
+    > "$OUT/gpu_tests.log" 2>&1
+  echo "tests rc $?"; tail -3 "$OUT/gpu_tests.log"
 fi
-for run in ${RUNS:-push nopush push2}; do
-  flag=""
-  [[ $run == nopush* ]] && flag=--no-push
+for entry in ${RUNS:-push:2 nopush:2 push2:2}; do
+  run=${entry%%:*} mps=${entry#*:} flag="" glu=1
+  [[ $run == *nopush* ]] && flag=--no-push
+  [[ $run == *noglu* ]] && glu=0
   # shellcheck disable=SC2086
-  timeout "${RUN_TIMEOUT:-170}" python scripts/bench_tp.py --mp "${MPS:-2}" --skip check,allreduce --profile $flag \
-    --out "$OUT/tp_$run.json" > "$OUT/tp_$run.log" 2>&1
+  LLMSERVE_GEMV_GLU=$glu timeout "${RUN_TIMEOUT:-170}" python scripts/bench_tp.py --mp "$mps" --skip check,allreduce \
+    --profile $flag --out "$OUT/tp_$run.json" > "$OUT/tp_$run.log" 2>&1
   echo "$run rc $?"
   grep -E "^decode MP_NUM" "$OUT/tp_$run.log" | cut -c1-400
 done

@@ -85,6 +85,16 @@ INTERP_SCRIPT = textwrap.dedent(
         w, s = rand_weight(gen, 96, 512, "fp8", block or 0)
         got = fp8_gemm.fp8_linear(x, w, s, block, None, torch.float32)
         assert torch.equal(got, G.gemv(x, w, s, block or 0, None, torch.float32)), block
+    # gate | up rows with the SwiGLU in the epilogue: silu(gate) * up of the product's own fp32 rows
+    for N, K, fmt, config in [(96, 512, "int8", None), (70, 300, "bf16", None), (48, 256, "fp8", (8, 128, 2, 0))]:
+        w, s = rand_weight(gen, N, K, fmt, 0)
+        x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+        rows = G.gemv(x, w, s, 0, None, torch.float32, config=config)
+        got = G.gemv(x, w, s, 0, None, torch.bfloat16, config=config, glu=True)
+        g, u = rows.double().chunk(2, dim=-1)
+        assert got.shape == (1, N // 2) and rel_err(got, g * torch.sigmoid(g) * u) < 2**-7, (N, K, fmt)
+        g, u = float64_product(x, w, s, 0, None).chunk(2, dim=-1)
+        assert rel_err(got, g * torch.sigmoid(g) * u) < 2**-7, (N, K, fmt)
     G.GEMV_MAX_M = 0  # off: the tensor-core kernel, a different summation order
     assert not G.gemv_ok(x, w)
     print("ok", len(cases))
@@ -115,3 +125,8 @@ def test_gpu_against_float64(fmt, block, N, K, fresh_seed):
     assert rel_err(y, ref) < 1e-5, f"seed {fresh_seed}"
     assert torch.equal(y, gemv(x, w, s, block, bias, torch.float32))  # no atomics: the same bits every run
     assert rel_err(gemv(x, w, s, block, bias, torch.bfloat16), ref) < 2**-7
+    if block == 0 and N % 2 == 0:  # as gate | up rows: the SwiGLU in the epilogue gives the separate kernel's bits
+        from llmserve.runners.torch.kernels.activation import swiglu
+
+        want = swiglu(gemv(x, w, s, 0, None, torch.float32), torch.bfloat16)
+        assert torch.equal(gemv(x, w, s, 0, None, torch.bfloat16, glu=True), want), f"seed {fresh_seed}"

@@ -322,6 +322,9 @@ class Config:
     gemv: bool = _setting(
         "LLMSERVE_GEMV", True, _bool, doc="CUDA: one-row products (batch-1 decode) on our GEMV instead of cuBLAS"
     )
+    gemv_glu: bool = _setting(
+        "LLMSERVE_GEMV_GLU", True, _bool, doc="with the GEMV: gate_up's one-row product does the SwiGLU after it too"
+    )
     torch_kernels: str = _setting(
         "LLMSERVE_TORCH_KERNELS",
         "",

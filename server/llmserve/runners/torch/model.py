@@ -24,7 +24,7 @@ from llmserve.models.config import ModelConfig
 
 from .kernels.activation import swiglu
 from .kernels.attention import AttnMeta, paged_attention
-from .kernels.gemv import gemv, gemv_ok
+from .kernels.gemv import GEMV_GLU, gemv, gemv_ok
 from .kernels.norm import rms_norm
 from .kernels.rotary import rope_and_cache, rope_cos_sin
 from .kv_cache import KVCache, LayerKV
@@ -206,7 +206,15 @@ class DecoderModel:
         # o and down are row-parallel: the ranks' parts are summed with the norm after each
         h = self.tp.row_parallel(lw.o, attn.view(T, H * D), self.out_dtype)
         x = self.tp.sum_norm(h, lw.post_norm, self.cfg.rms_norm_eps, residual)
-        return self.tp.row_parallel(lw.down, swiglu(lw.gate_up(x, self.out_dtype), self.dtype), self.out_dtype)
+        return self.tp.row_parallel(lw.down, self.gate_up_swiglu(lw.gate_up, x), self.out_dtype)
+
+    def gate_up_swiglu(self, gate_up: Linear, x: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the normed `x`, in the model's dtype: at batch 1 in the gate_up GEMV itself
+        (kernels/gemv.py, `glu`: the same bits, one kernel fewer a layer), else the product, then SwiGLU."""
+        ops = gate_up.gemv_operands(x, self.out_dtype) if self.wide and GEMV_GLU else None
+        if ops is not None and not ops[2]:  # (not FP8's 128-row blocks: a program's gate and up rows span two)
+            return gemv(x, ops[0], ops[1], 0, None, self.dtype, glu=True)
+        return swiglu(gate_up(x, self.out_dtype), self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """With `wide`, written in fp32 by cuBLAS instead of rounded to bf16. With several ranks, each

@@ -44,6 +44,8 @@ except ImportError:  # pragma: no cover
 # Products of at most this many rows run here (w8a16_linear, fp8_linear, unquantized layers and the LM head on
 # CUDA); 0 turns the GEMV off (LLMSERVE_GEMV=0; read at import, like LLMSERVE_TORCH_KERNELS)
 GEMV_MAX_M = 1 if Config.read("gemv") else 0
+# gate_up's GEMV also does the SwiGLU after it (LLMSERVE_GEMV_GLU; model.gate_up_swiglu)
+GEMV_GLU = Config.read("gemv_glu")
 
 if triton is not None:
 
@@ -85,10 +87,17 @@ if triton is not None:
         PUSH: tl.constexpr,
         RANK: tl.constexpr,
         WORLD: tl.constexpr,
+        GLU: tl.constexpr,
     ):
-        rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        if GLU:  # N outputs of 2N weight rows (gate | up): a program's rows alternate gate j, up j
+            i = tl.arange(0, BLOCK_N)
+            ro = tl.program_id(0) * (BLOCK_N // 2) + i // 2
+            rn = ro + (i % 2) * N
+            n_ok = ro < N
+        else:
+            rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            n_ok = rn < N
         rk = tl.arange(0, BLOCK_K)
-        n_ok = rn < N
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         s_row = s_ptr
         if SB > 0:  # the scale row of the program's rows
@@ -116,6 +125,10 @@ if triton is not None:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         if PUSH:  # the fused sum's next call (it adds the 1 to the epoch itself)
             push_words(y, rn, n_ok, bases_ptr, tl.load(epochs_ptr) + 1, slot, RANK, WORLD)
+        elif GLU:  # silu(gate) * up, as kernels/activation.py computes it from the fp32 rows
+            g, u = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            ro = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            tl.store(out_ptr + ro, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=ro < N)
         else:
             tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -175,12 +188,15 @@ def gemv(
     config: tuple[int, int, int, int] | None = None,
     conv: int | None = None,
     push: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None,
+    glu: bool = False,
 ) -> torch.Tensor | None:
     """x [1, K] @ (weight [N, K] int8 or float8_e4m3fn, times scale).T (+ bias [N]) -> [1, N] in out_dtype
     (default x's). scale: fp32 [N] (block 0), or [ceil(N / block), ceil(K / block)]; None with a bf16/fp16
     weight (unquantized layers, the LM head). config, conv: the launch and the conversion, for the sweep
     (defaults: gemv_launch; the mantissa path for int8). push: (bases, epochs, rank, world, slot) of a
-    FusedSumNorm, which then gets the fp32 row instead of the caller (returns None)."""
+    FusedSumNorm, which then gets the fp32 row instead of the caller (returns None). glu: the weight is a
+    gate | up projection [2n, K] without a bias, and the result is silu(gate) * up [1, n] in out_dtype, from the
+    same fp32 rows as the product alone (the same launch): kernels/activation.py's SwiGLU, bit for bit."""
     N, K = weight.shape
     if x.shape != (1, K):
         raise ValueError(f"gemv: x {tuple(x.shape)} is not one row of K={K}")
@@ -192,15 +208,18 @@ def gemv(
     x = x.contiguous()
     if scale is not None:
         scale = scale.contiguous()
-    out = torch.empty(1, N, dtype=out_dtype or x.dtype, device=x.device) if push is None else weight
+    if glu and (N % 2 or block_n % 2 or bias is not None or block or push is not None):
+        raise ValueError("gemv: glu needs gate | up rows (an even N), no bias, no scale blocks and no push")
+    n_out, rows_per_program = (N // 2, block_n // 2) if glu else (N, block_n)
+    out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device) if push is None else weight
     bases, epochs, rank, world, slot = push or (weight, weight, 0, 1, 0)
-    _gemv_kernel[(triton.cdiv(N, block_n),)](
+    _gemv_kernel[(triton.cdiv(n_out, rows_per_program),)](
         x,
         weight,
         scale if scale is not None else weight,
         bias if bias is not None else weight,
         out,
-        N,
+        n_out,
         K,
         weight.stride(0),
         scale.stride(0) if scale is not None else 0,
@@ -210,7 +229,7 @@ def gemv(
         HAS_BIAS=bias is not None,
         SB=block if scale is not None else -1,
         CONV=conv,
-        EVEN_N=N % block_n == 0,
+        EVEN_N=n_out % rows_per_program == 0,
         EVEN_K=K % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -218,6 +237,7 @@ def gemv(
         PUSH=push is not None,
         RANK=rank,
         WORLD=world,
+        GLU=glu,
         num_warps=warps,
         num_stages=1,
     )
