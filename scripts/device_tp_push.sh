@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 17 on several GPUs: the GEMV's and the fused sum's GPU tests, then scripts/bench_tp.py's batch-1
 # decode, profiled, once per entry of RUNS (each its own process): NAME:MPS, where a NAME holding "nopush"
-# sets LLMSERVE_TP_GEMV_PUSH=0 (bench_tp.py --no-push) and one holding "noglu" LLMSERVE_GEMV_GLU=0; MPS the
+# sets LLMSERVE_TP_GEMV_PUSH=0 (bench_tp.py --no-push) and one holding "nofuse" LLMSERVE_GEMV_FUSE=0; MPS the
 # MP_NUM values beside 1 (one process takes symmetric memory for one group only: MP_NUM=4 in its own run).
 # Results in $OUT.
 set -uo pipefail
@@ -17,11 +17,11 @@ if [[ "${TESTS:-1}" == 1 ]]; then
   echo "tests rc $?"; tail -3 "$OUT/gpu_tests.log"
 fi
 for entry in ${RUNS:-push:2 nopush:2 push2:2}; do
-  run=${entry%%:*} mps=${entry#*:} flag="" glu=1
+  run=${entry%%:*} mps=${entry#*:} flag="" fuse=1
   [[ $run == *nopush* ]] && flag=--no-push
-  [[ $run == *noglu* ]] && glu=0
+  [[ $run == *nofuse* ]] && fuse=0
   # shellcheck disable=SC2086
-  LLMSERVE_GEMV_GLU=$glu timeout "${RUN_TIMEOUT:-170}" python scripts/bench_tp.py --mp "$mps" --skip check,allreduce \
+  LLMSERVE_GEMV_FUSE=$fuse timeout "${RUN_TIMEOUT:-170}" python scripts/bench_tp.py --mp "$mps" --skip check,allreduce \
     --profile $flag --out "$OUT/tp_$run.json" > "$OUT/tp_$run.log" 2>&1
   echo "$run rc $?"
   grep -E "^decode MP_NUM" "$OUT/tp_$run.log" | cut -c1-400

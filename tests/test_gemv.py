@@ -95,6 +95,24 @@ INTERP_SCRIPT = textwrap.dedent(
         assert got.shape == (1, N // 2) and rel_err(got, g * torch.sigmoid(g) * u) < 2**-7, (N, K, fmt)
         g, u = float64_product(x, w, s, 0, None).chunk(2, dim=-1)
         assert rel_err(got, g * torch.sigmoid(g) * u) < 2**-7, (N, K, fmt)
+    # qkv rows with the rotary embedding and the cache write in the epilogue, as rope_and_cache does them
+    import numpy as np
+    from llmserve.runners.torch.kernels import rotary
+    H, KVH, D, bs, K = 4, 2, 16, 8, 64
+    cs = rotary.rope_cos_sin(1.0 / 10000 ** (np.arange(0, D, 2) / D), 64, "cpu")
+    for fmt, slot in [("int8", 19), ("bf16", 5), ("fp8", -1)]:
+        w, s = rand_weight(gen, (H + 2 * KVH) * D, K, fmt, 0)
+        x = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+        pos, slots = torch.tensor([13]), torch.tensor([slot])
+        caches = [torch.zeros(4, KVH, bs, D, dtype=torch.float16) for _ in range(4)]
+        rc = G.RopeCache(pos, slots, cs, caches[0], caches[1], H, KVH)
+        got = G.gemv(x, w, s, 0, None, torch.float32, config=(4, 32, 2, 0), rope=rc)
+        want = G.gemv(x, w, s, 0, None, torch.float32, config=(4, 32, 2, 0))
+        rotary.rope_and_cache_ref(want, pos, slots, cs, caches[2], caches[3], H, KVH)
+        assert rel_err(got, want.double()) < 1e-6, fmt
+        for a, b in zip(caches[:2], caches[2:]):
+            assert torch.allclose(a.float(), b.float(), rtol=2e-3, atol=1e-3), fmt
+            assert (a != 0).any() == (slot >= 0), fmt  # a padding slot (-1) writes nothing
     G.GEMV_MAX_M = 0  # off: the tensor-core kernel, a different summation order
     assert not G.gemv_ok(x, w)
     print("ok", len(cases))
@@ -130,3 +148,30 @@ def test_gpu_against_float64(fmt, block, N, K, fresh_seed):
 
         want = swiglu(gemv(x, w, s, 0, None, torch.float32), torch.bfloat16)
         assert torch.equal(gemv(x, w, s, 0, None, torch.bfloat16, glu=True), want), f"seed {fresh_seed}"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("H,KVH", [(32, 8), (16, 4), (8, 1)])
+def test_gpu_rope_epilogue_gives_rope_and_cache_bits(fmt, H, KVH, fresh_seed):
+    import numpy as np
+
+    from llmserve.runners.torch.kernels import rotary
+    from llmserve.runners.torch.kernels.gemv import RopeCache, gemv
+
+    if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 conversions need sm_89+")
+    D, K, bs, f32 = 128, 4096, 64, torch.float32
+    gen = torch.Generator().manual_seed(fresh_seed)
+    w, s = rand_weight(gen, (H + 2 * KVH) * D, K, fmt, 0, "cuda")
+    cs = rotary.rope_cos_sin(1.0 / 500000 ** (np.arange(0, D, 2) / D), 4096, "cuda")
+    for pos, slot in [(0, 0), (1234, 777), (4095, -1)]:
+        x = torch.randn(1, K, generator=gen).to(torch.bfloat16).cuda()
+        p, sl = torch.tensor([pos], device="cuda"), torch.tensor([slot], device="cuda")
+        caches = [torch.randn(16, KVH, bs, D, generator=gen).half().cuda() for _ in range(2)]
+        mine = [c.clone() for c in caches]
+        got = gemv(x, w, s, 0, None, f32, rope=RopeCache(p, sl, cs, mine[0], mine[1], H, KVH))
+        want = gemv(x, w, s, 0, None, f32)
+        rotary.rope_and_cache(want, p, sl, cs, caches[0], caches[1], H, KVH)
+        assert torch.equal(got, want), f"seed {fresh_seed}"
+        assert torch.equal(mine[0], caches[0]) and torch.equal(mine[1], caches[1]), f"seed {fresh_seed}"

@@ -322,8 +322,11 @@ class Config:
     gemv: bool = _setting(
         "LLMSERVE_GEMV", True, _bool, doc="CUDA: one-row products (batch-1 decode) on our GEMV instead of cuBLAS"
     )
-    gemv_glu: bool = _setting(
-        "LLMSERVE_GEMV_GLU", True, _bool, doc="with the GEMV: gate_up's one-row product does the SwiGLU after it too"
+    gemv_fuse: bool = _setting(
+        "LLMSERVE_GEMV_FUSE",
+        True,
+        _bool,
+        doc="with the GEMV: the one-row products of gate_up and qkv do the SwiGLU and the rotary + cache write too",
     )
     torch_kernels: str = _setting(
         "LLMSERVE_TORCH_KERNELS",

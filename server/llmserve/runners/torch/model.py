@@ -24,7 +24,7 @@ from llmserve.models.config import ModelConfig
 
 from .kernels.activation import swiglu
 from .kernels.attention import AttnMeta, paged_attention
-from .kernels.gemv import GEMV_GLU, gemv, gemv_ok
+from .kernels.gemv import GEMV_FUSE, RopeCache, gemv, gemv_ok
 from .kernels.norm import rms_norm
 from .kernels.rotary import rope_and_cache, rope_cos_sin
 from .kv_cache import KVCache, LayerKV
@@ -195,12 +195,11 @@ class DecoderModel:
         KVCache.layer), `residual += attention output`, then the MLP, whose output it returns: this
         rank's part of it, which the caller sums over the ranks and adds to the residual with the next
         norm (`self.tp.sum_norm`)."""
-        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        H, D = self.num_heads, self.head_dim
         T = x.shape[0]
         # q stays fp32 through rotary into attention; k and v are rounded once, into the (fp16) cache.
-        qkv = lw.qkv(x, self.out_dtype)
+        qkv = self.qkv_rope(lw.qkv, x, positions, slot_mapping, kv)
         k, v, k_scale, v_scale = kv
-        rope_and_cache(qkv, positions, slot_mapping, self.cos_sin, k, v, H, KVH, k_scale, v_scale)
         q = qkv[:, : H * D].view(T, H, D)
         attn = paged_attention(q, k, v, meta, self.scale, self.dtype, k_scale, v_scale)
         # o and down are row-parallel: the ranks' parts are summed with the norm after each
@@ -208,10 +207,25 @@ class DecoderModel:
         x = self.tp.sum_norm(h, lw.post_norm, self.cfg.rms_norm_eps, residual)
         return self.tp.row_parallel(lw.down, self.gate_up_swiglu(lw.gate_up, x), self.out_dtype)
 
+    def qkv_rope(
+        self, qkv: Linear, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, kv: LayerKV
+    ) -> torch.Tensor:
+        """The qkv projection of the normed `x` with q rotated, and k rotated and v written into the layer's
+        cache: at batch 1 over an unquantized cache in the qkv GEMV itself (kernels/gemv.py, `rope`: the same
+        bits, one kernel fewer a layer), else the product, then kernels/rotary.py."""
+        k, v, k_scale, v_scale = kv
+        ops = qkv.gemv_operands(x, self.out_dtype) if self.wide and GEMV_FUSE and k_scale is None else None
+        if ops is not None and not ops[2]:
+            rc = RopeCache(positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads)
+            return gemv(x, ops[0], ops[1], 0, None, self.out_dtype, rope=rc)
+        out = qkv(x, self.out_dtype)
+        rope_and_cache(out, positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads, k_scale, v_scale)  # fmt: skip
+        return out
+
     def gate_up_swiglu(self, gate_up: Linear, x: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up of the normed `x`, in the model's dtype: at batch 1 in the gate_up GEMV itself
         (kernels/gemv.py, `glu`: the same bits, one kernel fewer a layer), else the product, then SwiGLU."""
-        ops = gate_up.gemv_operands(x, self.out_dtype) if self.wide and GEMV_GLU else None
+        ops = gate_up.gemv_operands(x, self.out_dtype) if self.wide and GEMV_FUSE else None
         if ops is not None and not ops[2]:  # (not FP8's 128-row blocks: a program's gate and up rows span two)
             return gemv(x, ops[0], ops[1], 0, None, self.dtype, glu=True)
         return swiglu(gate_up(x, self.out_dtype), self.dtype)

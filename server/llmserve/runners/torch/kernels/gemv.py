@@ -27,16 +27,20 @@ follows a row-parallel projection (FusedSumNorm.push) instead of into an output 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from llmserve.config import Config
 
 from . import use_triton
+from .rotary import QUANT_MAX, saturation
 
 try:
     import triton
     import triton.language as tl
 
+    from .rotary import rope_pairs
     from .sum_norm import push_words
 except ImportError:  # pragma: no cover
     triton = None
@@ -44,8 +48,9 @@ except ImportError:  # pragma: no cover
 # Products of at most this many rows run here (w8a16_linear, fp8_linear, unquantized layers and the LM head on
 # CUDA); 0 turns the GEMV off (LLMSERVE_GEMV=0; read at import, like LLMSERVE_TORCH_KERNELS)
 GEMV_MAX_M = 1 if Config.read("gemv") else 0
-# gate_up's GEMV also does the SwiGLU after it (LLMSERVE_GEMV_GLU; model.gate_up_swiglu)
-GEMV_GLU = Config.read("gemv_glu")
+# The GEMVs of gate_up and qkv also do the SwiGLU and the rotary + cache write after them (LLMSERVE_GEMV_FUSE;
+# model.gate_up_swiglu, model.qkv_rope)
+GEMV_FUSE = Config.read("gemv_fuse")
 
 if triton is not None:
 
@@ -68,14 +73,23 @@ if triton is not None:
         w_ptr,  # [N, K] int8 / float8e4nv, K contiguous
         s_ptr,  # fp32: [N] (SB == 0), [ceil(N / SB), ceil(K / SB)] (SB > 0), or unused (SB < 0)
         b_ptr,  # [N] or unused
-        out_ptr,  # [N]
+        out_ptr,  # [N] ([N / 2] for EPI_GLU)
         N,
         K,
         stride_wn,
         stride_sn,
-        bases_ptr,  # PUSH: kernels/sum_norm.py's buffers, of every rank
-        epochs_ptr,  # PUSH: its calls so far (of row 0)
-        slot,  # PUSH: its words a slot
+        bases_ptr,  # EPI_PUSH: kernels/sum_norm.py's buffers, of every rank
+        epochs_ptr,  # EPI_PUSH: its calls so far (of row 0)
+        slot,  # EPI_PUSH: its words a slot
+        pos_ptr,  # EPI_ROPE: the token's position, its cache slot, cos/sin, the layer's caches
+        slot_ptr,
+        cs_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        stride_cb,
+        stride_ch,
+        num_heads,
+        num_kv_heads,
         HAS_BIAS: tl.constexpr,
         SB: tl.constexpr,
         CONV: tl.constexpr,
@@ -84,24 +98,33 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PREFETCH: tl.constexpr,
-        PUSH: tl.constexpr,
-        RANK: tl.constexpr,
+        EPI: tl.constexpr,  # what becomes of the row: EPI_STORE, EPI_PUSH, EPI_GLU, EPI_ROPE
+        RANK: tl.constexpr,  # EPI_PUSH
         WORLD: tl.constexpr,
-        GLU: tl.constexpr,
+        HALF: tl.constexpr,  # EPI_ROPE: half the head dim
+        CACHE_BLOCK: tl.constexpr,
+        LIMIT: tl.constexpr,
     ):
-        if GLU:  # N outputs of 2N weight rows (gate | up): a program's rows alternate gate j, up j
+        # Rows in pairs (EPI_GLU: gate j, up j; EPI_ROPE: a head's j and j + HALF), adjacent in the program
+        pid = tl.program_id(0)
+        if EPI == 2:
             i = tl.arange(0, BLOCK_N)
-            ro = tl.program_id(0) * (BLOCK_N // 2) + i // 2
+            ro = pid * (BLOCK_N // 2) + i // 2
             rn = ro + (i % 2) * N
             n_ok = ro < N
+        elif EPI == 3:
+            i = tl.arange(0, BLOCK_N)
+            t = pid * (BLOCK_N // 2) + i // 2
+            rn = (t // HALF) * (2 * HALF) + t % HALF + (i % 2) * HALF
+            n_ok = rn < N
         else:
-            rn = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+            rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
             n_ok = rn < N
         rk = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         s_row = s_ptr
         if SB > 0:  # the scale row of the program's rows
-            s_row += (tl.program_id(0) * BLOCK_N // SB) * stride_sn
+            s_row += (pid * BLOCK_N // SB) * stride_sn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         w_next = _load_tile(w_ptrs, 0, n_ok, rk, K, EVEN_N, EVEN_K)
         for k in range(0, K, BLOCK_K):
@@ -123,12 +146,19 @@ if triton is not None:
             y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
         if HAS_BIAS:
             y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        if PUSH:  # the fused sum's next call (it adds the 1 to the epoch itself)
+        if EPI == 1:  # the fused sum's next call (it adds the 1 to the epoch itself)
             push_words(y, rn, n_ok, bases_ptr, tl.load(epochs_ptr) + 1, slot, RANK, WORLD)
-        elif GLU:  # silu(gate) * up, as kernels/activation.py computes it from the fp32 rows
+        elif EPI == 2:  # silu(gate) * up, as kernels/activation.py computes it from the fp32 rows
             g, u = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-            ro = tl.program_id(0) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+            ro = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             tl.store(out_ptr + ro, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=ro < N)
+        elif EPI == 3:  # kernels/rotary.py's rotation and cache write, for the program's pairs
+            x1, x2 = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
+            r1 = tl.split(tl.reshape(rn, (BLOCK_N // 2, 2)))[0]
+            rope_pairs(
+                x1, x2, r1, r1 < N, out_ptr, pos_ptr, slot_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, stride_cb,
+                stride_ch, num_heads, num_kv_heads, HALF, CACHE_BLOCK, LIMIT,
+            )  # fmt: skip
         else:
             tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
@@ -178,6 +208,19 @@ def gemv_ok(x: torch.Tensor, weight: torch.Tensor, block: int = 0) -> bool:
     return block == 0 or block % gemv_launch(weight.shape[0], weight.element_size())[0] == 0
 
 
+@dataclass(frozen=True)
+class RopeCache:
+    """kernels/rotary.py's `rope_and_cache` operands (an fp16/bf16/fp32 cache: no scales), for `gemv(rope=)`."""
+
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    cos_sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    num_heads: int
+    num_kv_heads: int
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -189,31 +232,49 @@ def gemv(
     conv: int | None = None,
     push: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None,
     glu: bool = False,
+    rope: RopeCache | None = None,
 ) -> torch.Tensor | None:
     """x [1, K] @ (weight [N, K] int8 or float8_e4m3fn, times scale).T (+ bias [N]) -> [1, N] in out_dtype
     (default x's). scale: fp32 [N] (block 0), or [ceil(N / block), ceil(K / block)]; None with a bf16/fp16
     weight (unquantized layers, the LM head). config, conv: the launch and the conversion, for the sweep
-    (defaults: gemv_launch; the mantissa path for int8). push: (bases, epochs, rank, world, slot) of a
-    FusedSumNorm, which then gets the fp32 row instead of the caller (returns None). glu: the weight is a
-    gate | up projection [2n, K] without a bias, and the result is silu(gate) * up [1, n] in out_dtype, from the
-    same fp32 rows as the product alone (the same launch): kernels/activation.py's SwiGLU, bit for bit."""
+    (defaults: gemv_launch; the mantissa path for int8). At most one of:
+    push: (bases, epochs, rank, world, slot) of a FusedSumNorm, which then gets the fp32 row instead of the
+      caller (returns None);
+    glu: the weight is a gate | up projection [2n, K], and the result is silu(gate) * up [1, n] in out_dtype;
+    rope: the weight is a qkv projection, and the result is what `rope_and_cache` leaves of it (q rotated),
+      the rotated k and v written into the cache.
+    glu and rope compute from the same fp32 rows as the product alone (the same launch), then as the
+    separate kernel does: its bits."""
     N, K = weight.shape
     if x.shape != (1, K):
         raise ValueError(f"gemv: x {tuple(x.shape)} is not one row of K={K}")
     block_n, block_k, warps, prefetch = config or gemv_launch(N, weight.element_size())
     if block % block_n:
         raise ValueError(f"gemv: BLOCK_N={block_n} does not divide the scale block {block}")
+    epi = 1 if push is not None else 2 if glu else 3 if rope is not None else 0
+    if (push is not None) + glu + (rope is not None) > 1 or (epi > 1 and (N % 2 or block_n % 2 or block)):
+        raise ValueError("gemv: one of push, glu, rope; glu and rope take pairs of rows (an even N, no scale blocks)")
     if conv is None:
         conv = 1 if weight.dtype == torch.int8 else 0
     x = x.contiguous()
     if scale is not None:
         scale = scale.contiguous()
-    if glu and (N % 2 or block_n % 2 or bias is not None or block or push is not None):
-        raise ValueError("gemv: glu needs gate | up rows (an even N), no bias, no scale blocks and no push")
-    n_out, rows_per_program = (N // 2, block_n // 2) if glu else (N, block_n)
-    out = torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device) if push is None else weight
+    n_out = N // 2 if glu else N
+    out = weight if push is not None else torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
     bases, epochs, rank, world, slot = push or (weight, weight, 0, 1, 0)
-    _gemv_kernel[(triton.cdiv(n_out, rows_per_program),)](
+    half, cache_block, limit, rope_args = 1, 1, 0.0, (weight,) * 5 + (0, 0, 0, 0)
+    if rope is not None:
+        kc = rope.k_cache
+        half, cache_block, limit = kc.shape[-1] // 2, kc.shape[2], saturation(kc.dtype)
+        if kc.dtype in QUANT_MAX or not (kc.is_contiguous() and rope.v_cache.is_contiguous()):
+            raise ValueError("gemv: rope writes a contiguous fp16/bf16/fp32 cache (a quantized one: rope_and_cache)")
+        if N != (rope.num_heads + 2 * rope.num_kv_heads) * 2 * half:
+            raise ValueError(f"gemv: {N} rows are not the qkv of {rope.num_heads} + 2 x {rope.num_kv_heads} heads")
+        rope_args = (rope.positions, rope.slot_mapping, rope.cos_sin, kc, rope.v_cache, kc.stride(0), kc.stride(1))
+        rope_args += (rope.num_heads, rope.num_kv_heads)
+    per_program = block_n // 2 if epi > 1 else block_n  # outputs (glu), pairs (rope) or rows a program
+    count = N // 2 if epi > 1 else N
+    _gemv_kernel[(triton.cdiv(count, per_program),)](
         x,
         weight,
         scale if scale is not None else weight,
@@ -226,19 +287,22 @@ def gemv(
         bases,
         epochs,
         slot,
+        *rope_args,
         HAS_BIAS=bias is not None,
         SB=block if scale is not None else -1,
         CONV=conv,
-        EVEN_N=n_out % rows_per_program == 0,
+        EVEN_N=count % per_program == 0,
         EVEN_K=K % block_k == 0,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PREFETCH=bool(prefetch),
-        PUSH=push is not None,
+        EPI=epi,
         RANK=rank,
         WORLD=world,
-        GLU=glu,
+        HALF=half,
+        CACHE_BLOCK=cache_block,
+        LIMIT=limit,
         num_warps=warps,
         num_stages=1,
     )
-    return out if push is None else None
+    return None if push is not None else out

@@ -192,6 +192,41 @@ if triton is not None:
                 tl.store(v_cache_ptr + dst + HALF, _sat(v2, LIMIT).to(ty), mask=km)
 
 
+if triton is not None:
+
+    @triton.jit
+    def rope_pairs(
+        x1, x2, r1, ok, qkv_ptr, pos_ptr, slot_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, stride_cb, stride_ch,
+        num_heads, num_kv_heads, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIMIT: tl.constexpr,
+    ):  # fmt: skip
+        """`_rope_cache_kernel` (an unquantized cache) for some (j, j + HALF) pairs of one token's fp32 qkv
+        row: values x1, x2 of rows r1 = head * 2 * HALF + j and r1 + HALF. Writes the row into `qkv_ptr` as
+        that kernel leaves it (q rotated; k, v as they are) and k rotated and v into the caches, with the
+        same arithmetic (kernels/gemv.py's rope epilogue)."""
+        head = r1 // (2 * HALF)
+        j = r1 % (2 * HALF)
+        pos = tl.load(pos_ptr).to(tl.int64)
+        cos = tl.load(cs_ptr + pos * 2 * HALF + 2 * j, mask=ok, other=0.0)
+        sin = tl.load(cs_ptr + pos * 2 * HALF + 2 * j + 1, mask=ok, other=0.0)
+        rot1 = _sat(x1 * cos - x2 * sin, LIMIT)
+        rot2 = _sat(x2 * cos + x1 * sin, LIMIT)
+        is_q = head < num_heads
+        is_v = head >= num_heads + num_kv_heads
+        ty = qkv_ptr.dtype.element_ty
+        tl.store(qkv_ptr + r1, tl.where(is_q, rot1, x1).to(ty), mask=ok)
+        tl.store(qkv_ptr + r1 + HALF, tl.where(is_q, rot2, x2).to(ty), mask=ok)
+        slot = tl.load(slot_ptr).to(tl.int64)
+        if slot >= 0:
+            kh = tl.where(is_v, head - num_heads - num_kv_heads, head - num_heads).to(tl.int64)
+            dst = (slot // BLOCK_SIZE) * stride_cb + kh * stride_ch + (slot % BLOCK_SIZE) * 2 * HALF + j
+            is_k = ok & (head >= num_heads) & ~is_v
+            cty = k_cache_ptr.dtype.element_ty
+            tl.store(k_cache_ptr + dst, rot1.to(cty), mask=is_k)
+            tl.store(k_cache_ptr + dst + HALF, rot2.to(cty), mask=is_k)
+            tl.store(v_cache_ptr + dst, _sat(x1, LIMIT).to(cty), mask=ok & is_v)
+            tl.store(v_cache_ptr + dst + HALF, _sat(x2, LIMIT).to(cty), mask=ok & is_v)
+
+
 def _rotate(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:
     """x [T, n, D], cs [T, D/2, 2] -> rotated x (float32)."""
     half = x.shape[-1] // 2
