@@ -84,6 +84,12 @@ if triton is not None:
         return x
 
     @triton.jit
+    def _rot(x1, x2, cos, sin):
+        """(x1 cos - x2 sin, x2 cos + x1 sin) with the fused multiply-adds spelled out: the compiler would
+        pick where to fuse, kernel by kernel, and kernels/gemv.py's rope epilogue must give this one's bits."""
+        return tl.fma(x1, cos, -(x2 * sin)), tl.fma(x2, cos, x1 * sin)
+
+    @triton.jit
     def _rint(y, INTERPRET: tl.constexpr):
         """Round half to even. The interpreter has no libdevice: there, by floor (exact in numpy)."""
         if INTERPRET:
@@ -161,8 +167,9 @@ if triton is not None:
         p1 = row + h * D + i[None, :]
         x1 = tl.load(p1, mask=hm, other=0.0).to(tl.float32)
         x2 = tl.load(p1 + HALF, mask=hm, other=0.0).to(tl.float32)
-        tl.store(p1, _sat(x1 * cos - x2 * sin, LIMIT).to(qkv_ptr.dtype.element_ty), mask=hm)
-        tl.store(p1 + HALF, _sat(x2 * cos + x1 * sin, LIMIT).to(qkv_ptr.dtype.element_ty), mask=hm)
+        r1, r2 = _rot(x1, x2, cos, sin)
+        tl.store(p1, _sat(r1, LIMIT).to(qkv_ptr.dtype.element_ty), mask=hm)
+        tl.store(p1 + HALF, _sat(r2, LIMIT).to(qkv_ptr.dtype.element_ty), mask=hm)
         if slot >= 0:
             kh = tl.arange(0, KVH_PAD)[:, None]
             km = kh < num_kv_heads
@@ -174,8 +181,7 @@ if triton is not None:
             k2 = tl.load(pk + HALF, mask=km, other=0.0).to(tl.float32)
             if QMAX > 0:
                 sdst = blk * stride_sb + kh * stride_sh + off
-                k1r = k1 * cos - k2 * sin
-                k2r = k2 * cos + k1 * sin
+                k1r, k2r = _rot(k1, k2, cos, sin)
                 _quant_store(k_cache_ptr + dst, k_scale_ptr + sdst, k1r, k2r, km, HALF, QMAX, INTERPRET)
                 pv = pk + num_kv_heads * D
                 v1 = tl.load(pv, mask=km, other=0.0).to(tl.float32)
@@ -183,8 +189,9 @@ if triton is not None:
                 _quant_store(v_cache_ptr + dst, v_scale_ptr + sdst, v1, v2, km, HALF, QMAX, INTERPRET)
             else:
                 ty = k_cache_ptr.dtype.element_ty
-                tl.store(k_cache_ptr + dst, _sat(k1 * cos - k2 * sin, LIMIT).to(ty), mask=km)
-                tl.store(k_cache_ptr + dst + HALF, _sat(k2 * cos + k1 * sin, LIMIT).to(ty), mask=km)
+                k1r, k2r = _rot(k1, k2, cos, sin)
+                tl.store(k_cache_ptr + dst, _sat(k1r, LIMIT).to(ty), mask=km)
+                tl.store(k_cache_ptr + dst + HALF, _sat(k2r, LIMIT).to(ty), mask=km)
                 pv = pk + num_kv_heads * D
                 v1 = tl.load(pv, mask=km, other=0.0).to(tl.float32)
                 v2 = tl.load(pv + HALF, mask=km, other=0.0).to(tl.float32)
@@ -208,8 +215,8 @@ if triton is not None:
         pos = tl.load(pos_ptr).to(tl.int64)
         cos = tl.load(cs_ptr + pos * 2 * HALF + 2 * j, mask=ok, other=0.0)
         sin = tl.load(cs_ptr + pos * 2 * HALF + 2 * j + 1, mask=ok, other=0.0)
-        rot1 = _sat(x1 * cos - x2 * sin, LIMIT)
-        rot2 = _sat(x2 * cos + x1 * sin, LIMIT)
+        rot1, rot2 = _rot(x1, x2, cos, sin)
+        rot1, rot2 = _sat(rot1, LIMIT), _sat(rot2, LIMIT)
         is_q = head < num_heads
         is_v = head >= num_heads + num_kv_heads
         ty = qkv_ptr.dtype.element_ty
