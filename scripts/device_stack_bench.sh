@@ -162,6 +162,11 @@ for mod in ("torch", "numpy", "tokenizers", "zmq", "msgpack", "fastapi", "starle
         info[mod] = f"MISSING: {e!r}"[:200]
         if mod != "torch":
             info["problems"].append(f"import {mod}: {e!r}"[:300])
+try:  # not a problem if missing: uvicorn then runs asyncio's own loop, at more CPU a request
+    import uvloop
+    info["uvloop"] = uvloop.__version__
+except ImportError:
+    info["uvloop"] = "MISSING: the HTTP front end runs asyncio's own event loop"
 try:
     import torch
     info["cuda"] = torch.cuda.get_device_name() if torch.cuda.is_available() else None

@@ -35,13 +35,14 @@ PACKAGES=(
   pyzmq                     # engine <-> Triton adapter link
   pydantic pydantic-core annotated-types typing-inspection typing-extensions
   fastapi starlette opentelemetry-api uvicorn httptools  # the HTTP front end (fastapi >= 0.16x imports opentelemetry)
+  uvloop                    # its event loop (uvicorn[standard] brings it; without it asyncio's own, ~10% more CPU)
   tritonclient python-rapidjson protobuf        # front end, supervisor and bench -> Triton over gRPC
   pytest pluggy iniconfig   # scripts/device_gpu_tests.sh
 )
 [[ "$CARRY_GRPCIO" == 1 ]] && PACKAGES+=(grpcio)
 declare -A FALLBACK=(
   [pyzmq]=27.3.0 [pydantic]=2.14.3 [pydantic-core]=2.50.4 [annotated-types]=0.8.0 [typing-inspection]=0.4.5
-  [typing-extensions]=4.16.0 [fastapi]=0.165.0 [starlette]=1.10.0 [opentelemetry-api]=1.45.2 [uvicorn]=0.54.0 [httptools]=0.9.0
+  [typing-extensions]=4.16.0 [fastapi]=0.165.0 [starlette]=1.10.0 [opentelemetry-api]=1.45.2 [uvicorn]=0.54.0 [httptools]=0.9.0 [uvloop]=0.23.0
   [tritonclient]=2.73.0 [python-rapidjson]=1.25 [protobuf]=6.33.6 [grpcio]=1.85.1
   [pytest]=9.2.0 [pluggy]=1.7.0 [iniconfig]=2.3.1
   [nvidia-pytriton]=0.7.0 [numpy]=1.26.4
