@@ -52,6 +52,7 @@ class ScriptedBackend:
         self.n_tokens = n_tokens
         self.delay = delay
         self.bodies: list[dict] = []
+        self.raws: list[bytes | None] = []
         self.closed: list[str] = []
 
     async def ready(self) -> bool:
@@ -60,8 +61,9 @@ class ScriptedBackend:
     async def close(self) -> None:
         pass
 
-    async def stream(self, body: dict):
+    async def stream(self, body: dict, raw: bytes | None = None):
         self.bodies.append(body)
+        self.raws.append(raw)
         req_id = body["req_id"]
         prompt = body.get("text") or json.dumps(body.get("messages") or body.get("input_ids"))
         if "ERR" in prompt:
@@ -132,6 +134,32 @@ def test_native_stream_ndjson(client, backend):
     assert [x["token"] for x in lines] == ["t0", "t1", "t2"]
     assert [x["is_end"] for x in lines] == [0, 0, 1] and lines[-1]["tokens_all"] == "t0t1t2"
     assert backend.bodies[0]["req_id"] == "abc" and backend.bodies[0]["max_dec_len"] == 3
+
+
+@pytest.mark.parametrize(
+    "sent,forwarded",
+    [
+        (b'{"text": "hi", "req_id": "abc"}', True),
+        ('{"text":"h\\u00e9 \u00e9 \\ud83d\\ude00","max_dec_len":2}'.encode(), True),  # escapes, UTF-8
+        (b'{"input_ids":[1,2,3], "req_id": "x-1"}', True),
+        (b'{"input_ids":[7]}', True),
+        (b' {"text":"hi"}', False),  # not the brace first: re-encoded
+    ],
+)
+def test_native_forwards_the_clients_bytes(client, backend, sent, forwarded):
+    r = client.post(URL, content=sent, headers={"content-type": "application/json"})
+    assert r.status_code == 200, r.text
+    body, raw = backend.bodies[-1], backend.raws[-1]
+    assert body["req_id"] and (raw is not None) == forwarded
+    if raw is not None:  # the same body, req_id included, without a second encoding
+        assert json.loads(raw) == body and raw.endswith(sent[1:])
+
+
+def test_forwarded_bytes_of_an_empty_object():
+    from llmserve.http.native import forwarded_bytes
+
+    assert json.loads(forwarded_bytes(b"{ }", {}, "r1")) == {"req_id": "r1"}
+    assert json.loads(forwarded_bytes(b'{"a":1}', {"a": 1}, "r2")) == {"req_id": "r2", "a": 1}
 
 
 def test_native_non_stream_and_defaults(client, backend):

@@ -158,7 +158,7 @@ class TextBackend(ScriptedBackend):
         super().__init__()
         self.text, self.rng = text, random.Random(seed)
 
-    async def stream(self, body: dict):
+    async def stream(self, body: dict, raw: bytes | None = None):
         self.bodies.append(body)
         pieces, i = [], 0
         while i < len(self.text):

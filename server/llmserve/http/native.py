@@ -37,10 +37,24 @@ def _line(item: dict) -> bytes:
     return (json.dumps(item, ensure_ascii=False) + "\n").encode()
 
 
-async def handle_native(request: Request, body: dict, backend: Backend) -> Response:
+def forwarded_bytes(raw: bytes | None, body: dict, req_id: str) -> bytes | None:
+    """The client's own bytes of `body`, with `req_id` put first where it sent none: what goes on to Triton,
+    without encoding the body a second time here (a burst's requests are taken in one after another).
+    None where those bytes might not be UTF-8 (they do not start with the object's brace) or would not say
+    the same as `body` with that req_id."""
+    if raw is None or not raw.startswith(b"{"):
+        return None
+    if "req_id" in body:
+        return raw if body["req_id"] == req_id else None
+    rest = raw[1:]
+    return b'{"req_id":' + json.dumps(req_id).encode() + (b"," if rest.strip() != b"}" else b"") + rest
+
+
+async def handle_native(request: Request, body: dict, backend: Backend, raw: bytes | None = None) -> Response:
     req = parse_native(body)
+    raw = forwarded_bytes(raw, body, req.req_id)
     body = {**body, "req_id": req.req_id}
-    gen = backend.stream(body)
+    gen = backend.stream(body, raw)
     try:
         first = await anext(gen)
     except BaseException:

@@ -54,7 +54,9 @@ _TIMED_OUT: dict = {}  # the guard's mark in a request's queue
 
 
 class Backend(Protocol):
-    def stream(self, body: dict) -> AsyncIterator[dict]: ...
+    def stream(self, body: dict, raw: bytes | None = None) -> AsyncIterator[dict]:
+        """`body`'s responses; `raw`, where given, is `body` as JSON bytes (native.forwarded_bytes)."""
+        ...
 
     async def ready(self) -> bool: ...
 
@@ -204,12 +206,13 @@ class TritonBackend:
             self._mux = _Mux(self.stub, self.model)
         return self._mux
 
-    async def stream(self, body: dict) -> AsyncIterator[dict]:
+    async def stream(self, body: dict, raw: bytes | None = None) -> AsyncIterator[dict]:
         req_id = body.get("req_id")
         if not req_id:  # an abort must name it
             req_id = uuid.uuid4().hex
-            body = {**body, "req_id": req_id}
-        raw = json.dumps(body, ensure_ascii=False).encode()
+            body, raw = {**body, "req_id": req_id}, None
+        if raw is None:
+            raw = json.dumps(body, ensure_ascii=False).encode()
         mux = self._stream_mux()
         intake_trace.mark("http", req_id)
         tid, q = mux.open(raw, req_id)
