@@ -43,8 +43,9 @@ class Linear:
         self, x: torch.Tensor, out_dtype: torch.dtype
     ) -> tuple[torch.Tensor, torch.Tensor | None, int] | None:
         """(weight, scale, block) when `self(x, out_dtype)` is one kernels/gemv.py product as it stands (no
-        bias, no input permutation, not in parts), else None: for a caller that runs the GEMV itself
-        (a row-parallel projection pushing its row into the fused sum, kernels/sum_norm.py)."""
+        bias, no input permutation, not in parts), else None: for a caller that runs the GEMV itself, with an
+        epilogue (a row-parallel projection pushing its row into the fused sum, kernels/sum_norm.py; qkv's
+        rotary, gate_up's SwiGLU: model.py)."""
         if self.parts is not None or self.perm is not None or self.bias is not None:
             return None
         return self.method.gemv_operands(self.w, x, out_dtype)

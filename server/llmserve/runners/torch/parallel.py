@@ -12,6 +12,7 @@ them. Every rank ends a layer with the same hidden states, so every rank samples
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,10 @@ from llmserve.config import ConfigError
 from llmserve.models.config import ModelConfig
 
 from .kernels.norm import rms_norm
+
+if TYPE_CHECKING:
+    from .kernels.sum_norm import Pushed
+    from .linear import Linear
 
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the new name (torch 2.12+)
 
@@ -45,7 +50,7 @@ class TensorParallel:
         dist.all_reduce(x, group=self.group)
         return x
 
-    def row_parallel(self, linear, x: torch.Tensor, out_dtype: torch.dtype):
+    def row_parallel(self, linear: Linear, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | Pushed:
         """A row-parallel projection's partial output, for `sum_norm` next. Where the fused sum takes it and
         the product runs on kernels/gemv.py (batch-1 decode), the GEMV writes it straight into every rank's
         buffer of the fused sum and this returns a `Pushed` (kernels/sum_norm.py)."""
@@ -53,7 +58,7 @@ class TensorParallel:
             return pushed
         return linear(x, out_dtype)
 
-    def sum_norm(self, x, w: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
+    def sum_norm(self, x: torch.Tensor | Pushed, w: torch.Tensor, eps: float, residual: torch.Tensor) -> torch.Tensor:
         """RMSNorm of `residual += the ranks' sum of x` (a row-parallel projection's partial output, or the
         `Pushed` that `row_parallel` returned for it)."""
         if self.size > 1:

@@ -21,8 +21,11 @@ int8 becomes fp32 exactly through the float's mantissa (bits 0x4B000080 + q are 
 add and a float subtract instead of the quarter-rate integer-to-float conversion; FP8 through the
 hardware's paired E4M3 -> f16 conversion (sm_89+); bf16 is a shift.
 
-`push`: the row goes, as kernels/sum_norm.py's words, into every rank's buffer of the fused sum that
-follows a row-parallel projection (FusedSumNorm.push) instead of into an output tensor.
+What becomes of the row (`gemv`'s push, glu, rope): written out; or pushed, as kernels/sum_norm.py's words,
+into every rank's buffer of the fused sum that follows a row-parallel projection (FusedSumNorm.push); or,
+for gate_up, silu(gate) * up (a program's rows alternate gate j, up j); or, for qkv, rotated and written
+into the KV cache as kernels/rotary.py does it (a program's rows pair a head's j and j + D/2). The last two
+give the separate kernels' bits and save their launches (two a layer).
 """
 
 from __future__ import annotations
@@ -70,18 +73,18 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(
         x_ptr,  # [K], x's dtype
-        w_ptr,  # [N, K] int8 / float8e4nv, K contiguous
+        w_ptr,  # [N, K] int8 / float8e4nv / bf16 / fp16, K contiguous
         s_ptr,  # fp32: [N] (SB == 0), [ceil(N / SB), ceil(K / SB)] (SB > 0), or unused (SB < 0)
         b_ptr,  # [N] or unused
-        out_ptr,  # [N] ([N / 2] for EPI_GLU)
+        out_ptr,  # [N] ([N / 2] for EPI 2)
         N,
         K,
         stride_wn,
         stride_sn,
-        bases_ptr,  # EPI_PUSH: kernels/sum_norm.py's buffers, of every rank
-        epochs_ptr,  # EPI_PUSH: its calls so far (of row 0)
-        slot,  # EPI_PUSH: its words a slot
-        pos_ptr,  # EPI_ROPE: the token's position, its cache slot, cos/sin, the layer's caches
+        bases_ptr,  # EPI 1: kernels/sum_norm.py's buffers, of every rank
+        epochs_ptr,  # EPI 1: its calls so far (of row 0)
+        slot,  # EPI 1: its words a slot
+        pos_ptr,  # EPI 3: the token's position, its cache slot, cos/sin, the layer's caches
         slot_ptr,
         cs_ptr,
         k_cache_ptr,
@@ -98,14 +101,14 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PREFETCH: tl.constexpr,
-        EPI: tl.constexpr,  # what becomes of the row: EPI_STORE, EPI_PUSH, EPI_GLU, EPI_ROPE
-        RANK: tl.constexpr,  # EPI_PUSH
+        EPI: tl.constexpr,  # what becomes of the row: 0 stored, 1 pushed, 2 SwiGLU, 3 rotary + cache
+        RANK: tl.constexpr,  # EPI 1
         WORLD: tl.constexpr,
-        HALF: tl.constexpr,  # EPI_ROPE: half the head dim
+        HALF: tl.constexpr,  # EPI 3: half the head dim
         CACHE_BLOCK: tl.constexpr,
         LIMIT: tl.constexpr,
     ):
-        # Rows in pairs (EPI_GLU: gate j, up j; EPI_ROPE: a head's j and j + HALF), adjacent in the program
+        # EPI 2 and 3 take rows in pairs, adjacent in the program: gate j and up j; a head's j and j + HALF
         pid = tl.program_id(0)
         if EPI == 2:
             i = tl.arange(0, BLOCK_N)
