@@ -311,7 +311,12 @@ def allreduce(mps: list[int], mc: dict) -> None:
 def main() -> None:
     global OUT, PROFILE
     ap = argparse.ArgumentParser()
-    ap.add_argument("--mp", default="2", help="comma-separated MP_NUM values beside 1")
+    ap.add_argument(
+        "--mp",
+        default="2",
+        help="comma-separated MP_NUM values beside 1 (decode: only the first gets the symmetric-memory sums, "
+        "one group a process; run each in its own process to compare them)",
+    )
     ap.add_argument("--model", default="", help="checkpoint for decode (a random llama3-8b is written there if absent)")
     ap.add_argument("--work", default="/dev/shm/llmserve-tp" if os.path.isdir("/dev/shm") else "/tmp/llmserve-tp")
     ap.add_argument("--out", default="tp.json")
