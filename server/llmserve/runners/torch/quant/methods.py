@@ -96,13 +96,14 @@ class LinearMethod:
         W = w["weight"]
         if out_dtype == x.dtype or not x.is_cuda:
             return F.linear(x, W, bias).to(out_dtype)
-        if gemv_ok(x, W):  # batch-1 decode: kernels/gemv.py (5-27% faster than cuBLAS on the 8B's, H100)
-            return gemv(x, W, None, 0, bias, out_dtype)
+        if (ops := self.gemv_operands(w, x, out_dtype)) is not None:  # batch-1 decode: kernels/gemv.py
+            return gemv(x, *ops, bias, out_dtype)  # (5-27% faster than cuBLAS on the 8B's, H100)
         out = torch.mm(x, W.t(), out_dtype)  # cuBLAS writes fp32 (model.py: `wide`)
         return out if bias is None else out.add_(bias)
 
     def gemv_operands(self, w: dict[str, torch.Tensor], x: torch.Tensor, out_dtype: torch.dtype):
-        """(weight, scale, block) where `apply` gives this product to kernels/gemv.py, else None."""
+        """(weight, scale, block) where `apply` gives this product to kernels/gemv.py, else None (apply
+        asks it too)."""
         if self is not self.dense:  # a format without a GEMV path
             return None
         W = w["weight"]
