@@ -31,7 +31,9 @@
 # step runs past it, so that a 600 s limit leaves time to stop the stack and write the files),
 # PY (python3), WHL (.whl), SITE (/tmp/site), STUB_SITE (/tmp/stub-site), SKIP_INSTALL=1,
 # WORK (/tmp/llmserve-stack-bench), OUT (the device tool's), FRESH=1 (forget earlier results), and any
-# llmserve setting (ports, KV cache, ...). Without a GPU (MODEL_DIR=<demo model>, tiny RUNS) it runs
+# llmserve setting (ports, KV cache, ...). CLIENT_CPUS / SERVER_CPUS (taskset lists, e.g. 12-15 / 0-11): pin
+# the served benches' clients and the stack (and the in-process engine) to separate CPUs, as clients on
+# other machines would be; unset: all share every CPU. Without a GPU (MODEL_DIR=<demo model>, tiny RUNS) it runs
 # the same way on the CPU, which is how it is tested.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -75,7 +77,7 @@ res, out, pre, steps = (Path(a) for a in sys.argv[1:5])
 table = sys.argv[5:] == ["--table"]
 results = {p.stem: json.loads(p.read_text()) for p in sorted(res.glob("*.json"))}
 keys = ("SMALL", "SHAPE", "MODEL_DIR", "RUNS", "BACKENDS", "PHASES", "INPUT_LEN", "OUTPUT_LEN", "NUM_WARMUPS",
-        "BATCH_SIZE", "PUSH_MODE_HTTP_WORKERS", "BLOCK_BS", "MAX_SEQ_LEN", "KV_CACHE_MEMORY_FRACTION")
+        "BATCH_SIZE", "PUSH_MODE_HTTP_WORKERS", "CLIENT_CPUS", "SERVER_CPUS", "BLOCK_BS", "MAX_SEQ_LEN", "KV_CACHE_MEMORY_FRACTION")
 bundle = {
     "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
     "settings": {k: os.environ.get(k) for k in keys if os.environ.get(k) is not None},
@@ -240,9 +242,12 @@ bench() {  # bench BACKEND PROMPTS CONCURRENCY-LIST
   local extra=(--model "$MODEL_DIR")
   [[ "$b" == engine ]] || name="$name-w$PUSH_MODE_HTTP_WORKERS"
   [[ "$b" == engine ]] || extra+=(--client-processes "${CLIENT_PROCESSES:-1}")
+  local pin=()  # the in-process engine is the server's side; a served bench's client is the client's
+  if [[ "$b" == engine && -n "${SERVER_CPUS:-}" ]]; then pin=(taskset -c "$SERVER_CPUS"); fi
+  if [[ "$b" != engine && -n "${CLIENT_CPUS:-}" ]]; then pin=(taskset -c "$CLIENT_CPUS"); fi
   log "bench $name: output in $WORK/bench-logs/$name.log"
   : >"$WORK/intake.txt"  # this bench's marks only
-  step "bench $name" 30 "$PY" -m llmserve.cli bench --backend "$b" "${extra[@]}" --workload random \
+  step "bench $name" 30 "${pin[@]}" "$PY" -m llmserve.cli bench --backend "$b" "${extra[@]}" --workload random \
     --input-len "$INPUT_LEN" --output-len "$OUTPUT_LEN" --range-ratio 0 --temperature 0 --seed "$SEED" \
     --num-prompts "$p" --max-concurrency "$c" --num-warmups "$NUM_WARMUPS" --timeout 300 \
     --no-plots --no-progress --out-dir "$RES" --result-name "$name" ${BENCH_ARGS:-} >"$WORK/bench-logs/$name.log" 2>&1
@@ -294,7 +299,9 @@ if has_phase stack && ((STACK_OK)); then
   STACK_UP=1  # from here on stop it at the end, started or not (a start cut short leaves it running)
   # Every process of the stack marks when it took in each request (serving/intake_trace.py); each
   # bench's marks become its hops' delays (scripts/intake_report.py) in stack_bench.json's "intake".
-  if LLMSERVE_INTAKE_TRACE="$WORK/intake.txt" step start_server 120 ./start_server.sh; then
+  server_pin=()
+  [[ -n "${SERVER_CPUS:-}" ]] && server_pin=(taskset -c "$SERVER_CPUS")
+  if LLMSERVE_INTAKE_TRACE="$WORK/intake.txt" step start_server 120 "${server_pin[@]}" ./start_server.sh; then
     for run in $RUNS; do  # every backend on one workload before the next workload
       for b in ${BACKENDS//,/ }; do bench "$b" "${run%%:*}" "${run#*:}"; done
     done

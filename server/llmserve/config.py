@@ -322,6 +322,12 @@ class Config:
     gemv: bool = _setting(
         "LLMSERVE_GEMV", True, _bool, doc="CUDA: one-row products (batch-1 decode) on our GEMV instead of cuBLAS"
     )
+    skinny: bool = _setting(
+        "LLMSERVE_SKINNY",
+        True,
+        _bool,
+        doc="CUDA: products of 2-16 rows over unquantized weights (verification steps, small batches) on our kernel",
+    )
     gemv_fuse: bool = _setting(
         "LLMSERVE_GEMV_FUSE",
         True,

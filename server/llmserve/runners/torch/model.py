@@ -25,6 +25,7 @@ from llmserve.models.config import ModelConfig
 from .kernels.activation import swiglu
 from .kernels.attention import AttnMeta, paged_attention
 from .kernels.gemv import GEMV_FUSE, RopeCache, gemv, gemv_ok
+from .kernels.skinny import skinny, skinny_ok
 from .kernels.norm import rms_norm
 from .kernels.rotary import rope_and_cache, rope_cos_sin
 from .kv_cache import KVCache, LayerKV
@@ -237,6 +238,8 @@ class DecoderModel:
             out = F.linear(hidden, self.lm_head).float()
         elif gemv_ok(hidden, self.lm_head):  # batch-1 decode: kernels/gemv.py
             out = gemv(hidden, self.lm_head, None, 0, None, torch.float32)
+        elif skinny_ok(hidden, self.lm_head):  # 2-16 rows: kernels/skinny.py
+            out = skinny(hidden, self.lm_head, None, torch.float32)
         else:
             out = torch.mm(hidden, self.lm_head.t(), torch.float32)
         if self.tp.size == 1:

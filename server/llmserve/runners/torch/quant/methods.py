@@ -22,6 +22,7 @@ from llmserve.config import Config, ConfigError
 
 from ..kernels.fp8_gemm import fp8_linear, fp8_path
 from ..kernels.gemv import gemv, gemv_ok
+from ..kernels.skinny import skinny, skinny_ok
 from ..kernels.quant_gemm import w4a16_linear, w8a16_linear
 from ..linear import Linear
 from . import formats
@@ -98,6 +99,8 @@ class LinearMethod:
             return F.linear(x, W, bias).to(out_dtype)
         if (ops := self.gemv_operands(w, x, out_dtype)) is not None:  # batch-1 decode: kernels/gemv.py
             return gemv(x, *ops, bias, out_dtype)  # (5-27% faster than cuBLAS on the 8B's, H100)
+        if skinny_ok(x, W):  # 2-16 rows (verification, small batches): kernels/skinny.py
+            return skinny(x, W, bias, out_dtype)
         out = torch.mm(x, W.t(), out_dtype)  # cuBLAS writes fp32 (model.py: `wide`)
         return out if bias is None else out.add_(bias)
 

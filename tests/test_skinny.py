@@ -1,0 +1,114 @@
+"""Products of 2-16 rows over bf16/fp16 weights (kernels/skinny.py): the kernel under Triton's interpreter (CPU, in a
+subprocess: triton reads TRITON_INTERPRET at import) and on a GPU against float64, and that the unquantized layers and
+the LM head give it their 2-16-row products."""
+
+from __future__ import annotations
+
+import os
+import textwrap
+
+import pytest
+import torch
+import triton_interpreter
+
+from llmserve.runners.torch.kernels import HAS_TRITON
+
+
+def float64_product(x, w, bias):
+    y = x.double() @ w.double().t()
+    return y + bias.double() if bias is not None else y
+
+
+def rel_err(y: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((y.double() - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+INTERP_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    import torch
+    sys.path.insert(0, {tests!r})
+    from test_skinny import float64_product, rel_err
+    from llmserve.runners.torch.kernels import skinny as S
+
+    gen = torch.Generator().manual_seed({seed})
+    # ragged N and K (the last program's rows, masked K), whole tiles, 1 to 16 rows, bias. fp16 only: Triton
+    # 3.6's interpreter multiplies bf16 tiles in tl.dot as garbage (its numpy has no bf16); the GPU tests take bf16.
+    cases = [(2, 70, 300), (5, 64, 256), (16, 96, 160), (1, 40, 64), (9, 33, 100)]
+    dt = torch.float16
+    for M, N, K in cases:
+        w = torch.randn(N, K, generator=gen).to(dt)
+        x = torch.randn(M, K, generator=gen).to(dt)
+        bias = torch.randn(N, generator=gen).to(dt)
+        for out, b, config in [(torch.float32, None, (16, 64, 4, 2)), (dt, bias, (32, 32, 4, 1))]:
+            y = S.skinny(x, w, b, out, config=config)
+            tol = 1e-5 if out == torch.float32 else 2**-7
+            assert y.shape == (M, N) and y.dtype == out, (M, N, K)
+            assert rel_err(y, float64_product(x, w, b)) < tol, (M, N, K, out)
+    print("ok", len(cases))
+    """
+)
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
+def test_kernel_under_interpreter(fresh_seed):
+    script = INTERP_SCRIPT.format(tests=os.path.dirname(__file__), seed=fresh_seed)
+    triton_interpreter.run_script(script, fresh_seed)
+
+
+def test_which_products_it_takes():
+    """2-16 rows of a bf16/fp16 weight in x's dtype, K contiguous; not one row (the GEMV's), 17, fp32 or int8
+    weights, a transposed weight, or CPU tensors (no Triton there)."""
+    from llmserve.runners.torch.kernels import skinny as S
+
+    if S.SKINNY_MAX_M == 0:
+        pytest.skip("LLMSERVE_SKINNY=0")
+    w = torch.zeros(64, 32, dtype=torch.bfloat16)
+    x = torch.zeros(4, 32, dtype=torch.bfloat16)
+    assert not S.skinny_ok(x, w)  # CPU: the caller's torch product
+    if not torch.cuda.is_available() or not HAS_TRITON:
+        return
+    w, x = w.cuda(), x.cuda()
+    assert S.skinny_ok(x, w) and S.skinny_ok(x[:2], w) and S.skinny_ok(torch.zeros(16, 32, dtype=w.dtype).cuda(), w)
+    assert not S.skinny_ok(x[:1], w) and not S.skinny_ok(torch.zeros(17, 32, dtype=w.dtype).cuda(), w)
+    assert not S.skinny_ok(x.float(), w.float()) and not S.skinny_ok(x, w.half())
+    assert not S.skinny_ok(x, torch.zeros(32, 64, dtype=w.dtype).cuda().t())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [2, 5, 16])
+@pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (1000, 1160)])
+def test_gpu_against_float64(M, N, K, fresh_seed):
+    from llmserve.runners.torch.kernels.skinny import skinny
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    w = torch.randn(N, K, generator=gen).to(torch.bfloat16).cuda()
+    x = torch.randn(M, K, generator=gen).to(torch.bfloat16).cuda()
+    bias = torch.randn(N, generator=gen).to(torch.bfloat16).cuda()
+    ref = float64_product(x, w, bias)
+    y = skinny(x, w, bias, torch.float32)
+    assert rel_err(y, ref) < 1e-5, f"seed {fresh_seed}"
+    assert torch.equal(y, skinny(x, w, bias, torch.float32))  # no atomics: the same bits every run
+    assert rel_err(skinny(x, w, bias, torch.bfloat16), ref) < 2**-7
+    for config in [(16, 128, 4, 3), (64, 64, 4, 5)]:  # other launches: the same product
+        assert rel_err(skinny(x, w, bias, torch.float32, config=config), ref) < 1e-5, config
+
+
+@pytest.mark.gpu
+def test_gpu_layers_and_lm_head_take_it(fresh_seed):
+    """The dense method and the LM head give their 2-16-row products to the kernel (its bits), one row to the GEMV."""
+    from llmserve.runners.torch.kernels import skinny as S
+    from llmserve.runners.torch.linear import Linear
+    from llmserve.runners.torch.quant.methods import LinearMethod
+
+    if S.SKINNY_MAX_M == 0:
+        pytest.skip("LLMSERVE_SKINNY=0")
+    gen = torch.Generator().manual_seed(fresh_seed)
+    w = torch.randn(768, 512, generator=gen).to(torch.bfloat16).cuda()
+    bias = torch.randn(768, generator=gen).to(torch.bfloat16).cuda()
+    layer = Linear(LinearMethod(torch.bfloat16), {"weight": w}, bias)
+    for M in (2, 7, 16):
+        x = torch.randn(M, 512, generator=gen).to(torch.bfloat16).cuda()
+        assert torch.equal(layer(x, torch.float32), S.skinny(x, w, bias, torch.float32)), M
+    x = torch.randn(17, 512, generator=gen).to(torch.bfloat16).cuda()
+    assert rel_err(layer(x, torch.float32), float64_product(x, w, bias)) < 1e-5  # cuBLAS
