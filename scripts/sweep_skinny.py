@@ -26,6 +26,7 @@ from llmserve.runners.torch.kernels.skinny import skinny, skinny_launch
 
 LAUNCHES = [(n, k, 4, s) for n, k, s in itertools.product((16, 32, 64), (64, 128, 256), (3, 4))]
 LAUNCHES += [(64, 128, 8, 3), (64, 256, 8, 3), (128, 128, 8, 3), (32, 128, 4, 5), (16, 256, 4, 5)]
+LAUNCHES += [(32, 128, 4, 6), (16, 128, 4, 6), (16, 256, 4, 6), (32, 64, 4, 8), (64, 64, 4, 6), (16, 512, 4, 3)]
 
 
 def shapes(mp: int) -> list[tuple[str, int, int]]:
