@@ -2,7 +2,7 @@
 # Issue 14 on one GPU: kernels/skinny.py's GPU tests (PART=tests), scripts/sweep_skinny.py (PART=sweep: the kernel
 # against cuBLAS and the one-row GEMV on the 8B projections), and the batch-1 oracle (PART=spec: bench_spec.py
 # --oracle --batches 1, the verification step against a plain one) with LLMSERVE_SKINNY at each of SPEC_SKINNY.
-#   OUT=$OUT PART=tests,sweep,spec SWEEP_ARGS="--rows 2,5,16" SPEC_SKINNY="1 0" scripts/device_skinny.sh
+#   OUT=$OUT PART=tests,sweep,spec SWEEP_ARGS="--rows 2,5,16" SPEC_SKINNY="1 0" SPEC_BATCHES=1,16 scripts/device_skinny.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/skinny-out}"
@@ -24,7 +24,7 @@ if [[ $PARTS == *sweep* ]]; then
 fi
 if [[ $PARTS == *spec* ]]; then
   for on in ${SPEC_SKINNY:-1 0}; do
-    LLMSERVE_SKINNY=$on timeout "${SPEC_TIMEOUT:-170}" python scripts/bench_spec.py --oracle --batches 1 \
+    LLMSERVE_SKINNY=$on timeout "${SPEC_TIMEOUT:-170}" python scripts/bench_spec.py --oracle --batches "${SPEC_BATCHES:-1}" \
       --out "$OUT/spec_skinny$on.json" > "$OUT/spec_skinny$on.log" 2>&1
     echo "spec LLMSERVE_SKINNY=$on rc $?"
     python - "$OUT/spec_skinny$on.json" <<'PY'

@@ -5,7 +5,7 @@ For each projection of the 8B shape (whole, and one rank's share at MP_NUM=2 wit
 row count of --rows: bf16 cuBLAS (`torch.mm(x, W.T, fp32)`, as the model calls it), the one-row GEMV (kernels/gemv.py,
 the plain step's product: what a verification step's products would cost at the plain step's speed), the weights'
 floor (their bytes at this run's copy bandwidth), and the skinny kernel over a set of launches (BLOCK_N, BLOCK_K,
-warps, stages, TMA bulk copies or not), every launch checked against cuBLAS first. Then, per row count, the layer's sum (qkv + o + gate_up +
+warps, stages), every launch checked against cuBLAS first. Then, per row count, the layer's sum (qkv + o + gate_up +
 down) of each, and of the launches that are best over the whole layer. Each timing is CUDA-graph replays over enough
 weight copies to miss L2 (bench_quant_gemm.time_graph).
 
@@ -24,9 +24,9 @@ import torch
 from llmserve.runners.torch.kernels.gemv import gemv
 from llmserve.runners.torch.kernels.skinny import skinny, skinny_launch
 
-LAUNCHES = [(n, k, 4, s, tma) for n, k, s, tma in itertools.product((16, 32, 64), (128, 256), (3, 4, 5), (0, 1))]
-LAUNCHES += [(64, 128, 8, 3, tma) for tma in (0, 1)] + [(128, 128, 8, 3, 1), (128, 64, 4, 4, 1), (16, 512, 4, 3, 1)]
-LAUNCHES += [(32, 128, 4, 6, 1), (16, 256, 4, 6, 1), (64, 64, 4, 6, 1), (32, 64, 4, 8, 1)]
+LAUNCHES = [(n, k, 4, s) for n, k, s in itertools.product((16, 32, 64), (128, 256), (3, 4, 5))]
+LAUNCHES += [(64, 128, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (16, 512, 4, 3)]
+LAUNCHES += [(32, 128, 4, 6), (16, 256, 4, 6), (64, 64, 4, 6), (32, 64, 4, 8)]
 
 
 def shapes(mp: int) -> list[tuple[str, int, int]]:
@@ -65,7 +65,7 @@ def main() -> None:
                 row: dict = {"cublas_us": time_graph(lambda i, x=x, ws=ws: torch.mm(x, ws[i].t(), f32), copies)}
                 want = torch.mm(x, ws[0].t(), f32)
                 for cfg in LAUNCHES:
-                    key = "n{}_k{}_w{}_s{}_t{}".format(*cfg)
+                    key = "n{}_k{}_w{}_s{}".format(*cfg)
                     try:
                         got = skinny(x, ws[0], None, f32, config=cfg)
                         if not torch.allclose(got, want, rtol=1e-3, atol=1e-3):

@@ -40,7 +40,7 @@ INTERP_SCRIPT = textwrap.dedent(
         w = torch.randn(N, K, generator=gen).to(dt)
         x = torch.randn(M, K, generator=gen).to(dt)
         bias = torch.randn(N, generator=gen).to(dt)
-        for out, b, config in [(torch.float32, None, (16, 64, 4, 2, False)), (dt, bias, (32, 32, 4, 1, False))]:
+        for out, b, config in [(torch.float32, None, (16, 64, 4, 2)), (dt, bias, (32, 32, 4, 1))]:
             y = S.skinny(x, w, b, out, config=config)
             tol = 1e-5 if out == torch.float32 else 2**-7
             assert y.shape == (M, N) and y.dtype == out, (M, N, K)
@@ -91,7 +91,7 @@ def test_gpu_against_float64(M, N, K, fresh_seed):
     assert rel_err(y, ref) < tol, f"seed {fresh_seed}"
     assert torch.equal(y, skinny(x, w, bias, torch.float32))  # no atomics: the same bits every run
     assert rel_err(skinny(x, w, bias, torch.bfloat16), ref) < 2**-7
-    for config in [(16, 128, 4, 3, False), (64, 64, 4, 5, False), (64, 128, 4, 4, True), (16, 256, 4, 5, True)]:
+    for config in [(16, 128, 4, 3), (64, 64, 4, 5)]:  # other launches: the same product
         assert rel_err(skinny(x, w, bias, torch.float32, config=config), ref) < tol, config
 
 
