@@ -1,10 +1,10 @@
 """Products of 2-16 rows over bf16/fp16 weights on the tensor cores, each weight read once: y = x @ W.T (+ bias).
 
 A speculative verification step (k proposals + 1 row a sequence) or a small decode batch multiplies a few
-rows by every weight of the model: like batch 1, it is bound by how fast the weights stream. cuBLAS's
-kernels for those shapes took 5.65 ms a step of the 8B shape at 5 rows, where the one-row GEMV
-(kernels/gemv.py) takes 4.61 (H100, docs/speculative.md); a CUDA-core GEMV for several rows was slower
-still (its FMAs grow with the rows).
+rows by every weight of the model: like batch 1, it is bound by how fast the weights stream. On an H100,
+an 8B step's products at 5 rows take 5.39 ms here against cuBLAS's 5.66 and the one-row GEMV's 4.67
+(kernels/gemv.py; docs/speculative.md, run 116); a CUDA-core GEMV for several rows was slower still (its
+FMAs grow with the rows).
 
 Here the weight is the MMA's tall operand: a program owns BLOCK_N weight rows and all of K, and multiplies
 each [BLOCK_N, BLOCK_K] weight tile by x's [BLOCK_K, BLOCK_M] (the rows padded to BLOCK_M = 16, the pad
