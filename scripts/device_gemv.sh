@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Issue 15/17 on one GPU: kernels/gemv.py's GPU tests, then the 8B batch-1 decode with the GEMV on and off
-# (bench_quant.py speed, one process each, kernels profiled), then (PART=sweep) scripts/sweep_gemv.py.
+# (bench_quant.py speed, one process each, kernels profiled; or another setting: SPEED_VAR), then (PART=sweep) scripts/sweep_gemv.py.
 #   PART=tests,speed (default) | sweep   FORMATS=",weight_only_int8,fp8"   SWEEP_ARGS="--formats bf16"
+#   SPEED_VAR=LLMSERVE_GEMV_FUSE SPEED_VALUES="1 0": the speed runs' setting and its values (default LLMSERVE_GEMV, 1 0)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/gemv-out}"
@@ -17,9 +18,10 @@ if [[ $PARTS == *tests* ]]; then
   echo "tests rc $?"; tail -4 "$OUT/gpu_tests.log"
 fi
 if [[ $PARTS == *speed* ]]; then
-  for name in on off; do
-    [[ $name == on ]] && gemv=1 || gemv=0
-    LLMSERVE_GEMV=$gemv timeout 200 python scripts/bench_quant.py speed --formats "$FORMATS" --skip-kv --profile \
+  var="${SPEED_VAR:-LLMSERVE_GEMV}"
+  for val in ${SPEED_VALUES:-1 0}; do
+    name="$var$val"
+    env "$var=$val" timeout 200 python scripts/bench_quant.py speed --formats "$FORMATS" --skip-kv --profile \
       --batches "${BATCHES:-}" --out "$OUT/speed_$name.json" > "$OUT/speed_$name.log" 2>&1
     echo "speed $name rc $?"
     python - "$OUT/speed_$name.json" <<'PY'
