@@ -49,7 +49,7 @@ def main() -> None:
     from bench_quant_gemm import copy_bandwidth, time_graph
 
     f32 = torch.float32
-    res: dict = {"device": torch.cuda.get_device_name(), "launches": LAUNCHES, "default": skinny_launch(0, 0)}
+    res: dict = {"device": torch.cuda.get_device_name(), "launches": LAUNCHES}
     res["copy_tb_s"] = bw = copy_bandwidth() / 1e12
     rows = [int(m) for m in a.rows.split(",")]
     out = Path(a.out)
@@ -58,7 +58,7 @@ def main() -> None:
             copies = max(3, int(600e6 // (2 * N * K)))
             ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
             x1 = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-            shape_res: dict = {"floor_us": 2 * N * K / (bw * 1e12) * 1e6}
+            shape_res: dict = {"floor_us": 2 * N * K / (bw * 1e12) * 1e6, "default_launch": skinny_launch(N, K)}
             shape_res["gemv_1row_us"] = time_graph(lambda i, x=x1, ws=ws: gemv(x, ws[i], None, 0, None, f32), copies)
             for M in rows:
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
