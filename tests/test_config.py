@@ -72,6 +72,7 @@ def test_every_bad_value_is_named_at_once():
         ({"MP_NNODE": "2", "MP_NUM": "3", "POD_IPS": "10.0.0.1,10.0.0.2"}, "MP_NUM=3: must be a multiple"),
         ({"MP_NNODE": "2", "MP_NUM": "2", "POD_IPS": "10.0.0.1,10.0.0.2", "NODE_RANK": "2"}, "NODE_RANK"),
         ({"PUSH_MODE_HTTP_WORKERS": "9"}, "PUSH_MODE_HTTP_WORKERS"),
+        ({"PUSH_MODE_HTTP_WORKERS": "-1"}, "PUSH_MODE_HTTP_WORKERS=-1: 0 \\(auto\\) to 8"),
         ({"MP_NUM": "2", "SPECULATE_METHOD": "mtp"}, "SPECULATE_METHOD=mtp with MP_NUM=2"),
         ({"MP_NUM": "2", "DIST_TIMEOUT": "0"}, "DIST_TIMEOUT"),
     ],
@@ -79,6 +80,14 @@ def test_every_bad_value_is_named_at_once():
 def test_multi_node_and_limits_are_checked(env, named):
     with pytest.raises(ConfigError, match=named):
         Config.from_env(env=env)
+
+
+def test_http_workers_default_to_a_quarter_of_the_cpus(monkeypatch):
+    """Unset (0): one front-end process per 4 CPUs the server may run on, 1 to 4; a value given is kept."""
+    for cpus, want in [(1, 1), (2, 1), (7, 1), (8, 2), (16, 4), (64, 4)]:
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert Config.from_env(env={}).http_workers == want, cpus
+        assert Config.from_env(env={"PUSH_MODE_HTTP_WORKERS": "3"}).http_workers == 3
 
 
 def test_tensor_parallel_settings_are_accepted():

@@ -170,7 +170,13 @@ class Config:
     service_http_port: int = _setting(
         "SERVICE_HTTP_PORT", 9965, _port, "PUSH_MODE_HTTP_PORT", doc="HTTP front end (-1: none)"
     )
-    push_mode_http_workers: int = _setting("PUSH_MODE_HTTP_WORKERS", 1, _positive_int, doc="front-end processes (<= 8)")
+    push_mode_http_workers: int = _setting(
+        "PUSH_MODE_HTTP_WORKERS",
+        0,
+        int,
+        doc="front-end processes (<= 8; 0: one per 4 CPUs the server may use, 1 to 4: a burst of requests is "
+        "taken in by all of them at once)",
+    )
     adapter_instances: int = _setting(
         "ADAPTER_INSTANCES",
         0,
@@ -389,8 +395,8 @@ class Config:
 
     def validate(self) -> None:
         errors = []
-        if self.push_mode_http_workers > 8:
-            errors.append(f"PUSH_MODE_HTTP_WORKERS={self.push_mode_http_workers}: at most 8")
+        if not 0 <= self.push_mode_http_workers <= 8:
+            errors.append(f"PUSH_MODE_HTTP_WORKERS={self.push_mode_http_workers}: 0 (auto) to 8")
         if not 0 <= self.adapter_instances <= 8:
             errors.append(f"ADAPTER_INSTANCES={self.adapter_instances}: 0 (auto) to 8")
         if self.runner not in ("auto", "paddle", "torch"):
@@ -481,6 +487,11 @@ class Config:
         if self.host in ("0.0.0.0", "::", ""):
             return "127.0.0.1"
         return f"[{self.host}]" if ":" in self.host else self.host
+
+    @property
+    def http_workers(self) -> int:
+        """PUSH_MODE_HTTP_WORKERS, or one front-end process per 4 CPUs this process may run on (1 to 4)."""
+        return self.push_mode_http_workers or min(4, max(1, len(os.sched_getaffinity(0)) // 4))
 
     @property
     def triton_instances(self) -> int:

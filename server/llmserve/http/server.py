@@ -63,10 +63,10 @@ def main(argv: list[str] | None = None) -> int:
         access_log=False,
         http=LimitedHttpToolsProtocol,  # caps the request head (431); the app caps the body (413)
     )
-    if cfg.push_mode_http_workers > 1:  # each worker its own socket: a burst spreads over them (workers.py)
+    if cfg.http_workers > 1:  # each worker its own socket: a burst spreads over them (workers.py)
         from llmserve.http.workers import run_workers
 
-        return run_workers(cfg.push_mode_http_workers, **settings)
+        return run_workers(cfg.http_workers, **settings)
     uvicorn.run(**settings)
     return 0
 

@@ -25,9 +25,9 @@ from llmserve.models.config import ModelConfig
 from .kernels.activation import swiglu
 from .kernels.attention import AttnMeta, paged_attention
 from .kernels.gemv import GEMV_FUSE, RopeCache, gemv, gemv_ok
-from .kernels.skinny import skinny, skinny_ok
 from .kernels.norm import rms_norm
 from .kernels.rotary import rope_and_cache, rope_cos_sin
+from .kernels.skinny import skinny, skinny_ok
 from .kv_cache import KVCache, LayerKV
 from .linear import Linear
 from .parallel import SINGLE, Shard, TensorParallel, embed

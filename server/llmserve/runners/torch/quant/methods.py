@@ -22,8 +22,8 @@ from llmserve.config import Config, ConfigError
 
 from ..kernels.fp8_gemm import fp8_linear, fp8_path
 from ..kernels.gemv import gemv, gemv_ok
-from ..kernels.skinny import skinny, skinny_ok
 from ..kernels.quant_gemm import w4a16_linear, w8a16_linear
+from ..kernels.skinny import skinny, skinny_ok
 from ..linear import Linear
 from . import formats
 
