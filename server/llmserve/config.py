@@ -491,7 +491,8 @@ class Config:
     @property
     def http_workers(self) -> int:
         """PUSH_MODE_HTTP_WORKERS, or one front-end process per 4 CPUs this process may run on (1 to 4)."""
-        return self.push_mode_http_workers or min(4, max(1, len(os.sched_getaffinity(0)) // 4))
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        return self.push_mode_http_workers or min(4, max(1, cpus // 4))
 
     @property
     def triton_instances(self) -> int:
