@@ -27,7 +27,8 @@
 # Other settings (env): PHASES (stack,engine), BACKENDS, INPUT_LEN, OUTPUT_LEN, NUM_WARMUPS (1),
 # CLIENT_PROCESSES (1: `llmserve bench --client-processes` of the served backends), BENCH_ARGS (more
 # `llmserve bench` arguments for every bench, e.g. --save-requests),
-# BATCH_SIZE, PUSH_MODE_HTTP_WORKERS, MODEL_DIR (serve this model, build none), DEADLINE_S (540: no
+# BATCH_SIZE, PUSH_MODE_HTTP_WORKERS, REPEATS (1: run every bench this many times, the engine's too; the
+# table then adds each row's median over its runs, against the engine's median), MODEL_DIR (serve this model, build none), DEADLINE_S (540: no
 # step runs past it, so that a 600 s limit leaves time to stop the stack and write the files),
 # PY (python3), WHL (.whl), SITE (/tmp/site), STUB_SITE (/tmp/stub-site), SKIP_INSTALL=1,
 # WORK (/tmp/llmserve-stack-bench), OUT (the device tool's), FRESH=1 (forget earlier results), and any
@@ -71,13 +72,13 @@ STEPS="$WORK/steps.tsv"
 RES="$WORK/results/none"  # set once the model is known
 : >"$STEPS"
 cat >"$WORK/summary.py" <<'EOF'
-import json, os, re, sys, time
+import json, os, re, statistics, sys, time
 from pathlib import Path
 res, out, pre, steps = (Path(a) for a in sys.argv[1:5])
 table = sys.argv[5:] == ["--table"]
 results = {p.stem: json.loads(p.read_text()) for p in sorted(res.glob("*.json"))}
 keys = ("SMALL", "SHAPE", "MODEL_DIR", "RUNS", "BACKENDS", "PHASES", "INPUT_LEN", "OUTPUT_LEN", "NUM_WARMUPS",
-        "BATCH_SIZE", "PUSH_MODE_HTTP_WORKERS", "CLIENT_CPUS", "SERVER_CPUS", "BLOCK_BS", "MAX_SEQ_LEN", "KV_CACHE_MEMORY_FRACTION")
+        "BATCH_SIZE", "PUSH_MODE_HTTP_WORKERS", "CLIENT_CPUS", "SERVER_CPUS", "REPEATS", "BLOCK_BS", "MAX_SEQ_LEN", "KV_CACHE_MEMORY_FRACTION")
 bundle = {
     "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
     "settings": {k: os.environ.get(k) for k in keys if os.environ.get(k) is not None},
@@ -92,10 +93,18 @@ if not table:
 rows = []
 for name, r in results.items():
     backend = r["config"]["backend"]
-    w = re.search(r"-w(\d+)$", name)
+    w = re.search(r"-w(\d+)(?:-r\d+)?$", name)
     for run in r["runs"]:
         rows.append((backend + (f"/w{w.group(1)}" if w else ""), run["max_concurrency"], run["num_requests"], run))
-engine = {(c, n): run for b, c, n, run in rows if b == "engine"}
+# The baseline of a workload: the in-process engine's run, or with REPEATS the median of its runs
+runs_of: dict = {}
+for b, c, n, run in rows:
+    runs_of.setdefault((b, c, n), []).append(run)
+engine = {}
+for (b, c, n), runs in runs_of.items():
+    if b == "engine":
+        engine[(c, n)] = {"output_throughput": statistics.median(x["output_throughput"] for x in runs),
+                          "ttft_ms": {"median": statistics.median(x["ttft_ms"]["median"] for x in runs)}}
 order = {"engine": 0, "native": 1, "openai-completions": 2, "openai-chat": 3, "triton-grpc": 4}
 print("backend/wN: served through the stack with PUSH_MODE_HTTP_WORKERS=N")
 print(f"{'backend':<22}{'conc':>5}{'prompts':>8}{'out tok/s':>11}{'vs engine':>10}{'TPOT p50':>10}"
@@ -108,6 +117,16 @@ for b, c, n, run in sorted(rows, key=lambda x: (x[2], x[1] or 0, order.get(x[0].
     bad = run["failed"] + run.get("output_len_mismatch", 0)
     sent = f"{run['ttft_after_send_ms']['median']:.1f}" if "ttft_after_send_ms" in run else "-"
     print(f"{b:<22}{c or 'inf':>5}{n:>8}{tps:>11.1f}{ratio:>10}{tpot:>10.2f}{ttft:>10.1f}{delta:>10}{sent:>10}{bad:>7}")
+if any(len(v) > 1 for v in runs_of.values()):
+    print("medians over the repeats (each row against the engine's median):")
+    for (b, c, n), runs in sorted(runs_of.items(), key=lambda x: (x[0][2], x[0][1] or 0, order.get(x[0][0].split("/")[0], 9))):
+        e = engine.get((c, n))
+        if len(runs) < 2 or not e:
+            continue
+        ratios = [x["output_throughput"] / e["output_throughput"] for x in runs if e["output_throughput"]]
+        deltas = sorted(x["ttft_ms"]["median"] - e["ttft_ms"]["median"] for x in runs)
+        print(f"  {b:<22}{c or 'inf':>5}{n:>8}  {len(runs)} runs: tok/s vs engine {statistics.median(ratios):.3f}, "
+              f"TTFT p50 \u0394 engine {statistics.median(deltas):+.1f} ms (runs {', '.join(f'{d:+.1f}' for d in deltas)})")
 print("(ms; 'from send': TTFT p50 counted from when the client wrote the request (HTTP backends); 'failed'")
 print(" counts failed requests and outputs of the wrong length; all results in", out, ")")
 EOF
@@ -132,6 +151,8 @@ step() {  # step NAME MIN_SECONDS CMD...: run CMD under the time left (skipped b
   return $rc
 }
 has_phase() { [[ ",$PHASES," == *",$1,"* ]]; }
+REPEATS="${REPEATS:-1}"
+rep_tag() { ((REPEATS > 1)) && echo "$1"; }  # a bench's name ends in -rN only when benches repeat
 
 # ---- 1. install ------------------------------------------------------------------------------
 export PYTHONPATH="$REPO/server${PYTHONPATH:+:$PYTHONPATH}"
@@ -236,11 +257,12 @@ mkdir -p "$RES"
 # cache (triton-grpc sends native's token ids) would skip their prefill, while the in-process engine
 # starts empty every time. Both levels of one bench share its prompts, on every path alike.
 SEED=0
-bench() {  # bench BACKEND PROMPTS CONCURRENCY-LIST
+bench() {  # bench BACKEND PROMPTS CONCURRENCY-LIST [REPEAT]
   local b="$1" p="$2" c="$3" name="$1-p$2-c${3//,/_}" rc
   SEED=$((SEED + 1))
   local extra=(--model "$MODEL_DIR")
   [[ "$b" == engine ]] || name="$name-w$PUSH_MODE_HTTP_WORKERS"
+  [[ -n "${4:-}" ]] && name="$name-r$4"
   [[ "$b" == engine ]] || extra+=(--client-processes "${CLIENT_PROCESSES:-1}")
   local pin=()  # the in-process engine is the server's side; a served bench's client is the client's
   if [[ "$b" == engine && -n "${SERVER_CPUS:-}" ]]; then pin=(taskset -c "$SERVER_CPUS"); fi
@@ -302,8 +324,10 @@ if has_phase stack && ((STACK_OK)); then
   server_pin=()
   [[ -n "${SERVER_CPUS:-}" ]] && server_pin=(taskset -c "$SERVER_CPUS")
   if LLMSERVE_INTAKE_TRACE="$WORK/intake.txt" step start_server 120 "${server_pin[@]}" ./start_server.sh; then
-    for run in $RUNS; do  # every backend on one workload before the next workload
-      for b in ${BACKENDS//,/ }; do bench "$b" "${run%%:*}" "${run#*:}"; done
+    for rep in $(seq 1 "$REPEATS"); do  # every backend on one workload before the next workload
+      for run in $RUNS; do
+        for b in ${BACKENDS//,/ }; do bench "$b" "${run%%:*}" "${run#*:}" "$(rep_tag "$rep")"; done
+      done
     done
   else
     log "the stack did not start; last lines of its logs:"
@@ -314,7 +338,9 @@ fi
 
 # ---- 4. the engine in-process (the baseline) ---------------------------------------------------
 if has_phase engine; then
-  for run in $RUNS; do bench engine "${run%%:*}" "${run#*:}"; done
+  for rep in $(seq 1 "$REPEATS"); do
+    for run in $RUNS; do bench engine "${run%%:*}" "${run#*:}" "$(rep_tag "$rep")"; done
+  done
 fi
 
 # ---- 5. scripts/bench_gpu.py -------------------------------------------------------------------
