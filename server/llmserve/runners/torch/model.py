@@ -24,10 +24,9 @@ from llmserve.models.config import ModelConfig
 
 from .kernels.activation import swiglu
 from .kernels.attention import AttnMeta, paged_attention
-from .kernels.gemv import GEMV_FUSE, RopeCache, gemv, gemv_ok
+from .kernels.gemv import GEMV_FUSE, RopeCache, gemv
 from .kernels.norm import rms_norm
 from .kernels.rotary import rope_and_cache, rope_cos_sin
-from .kernels.skinny import skinny, skinny_ok
 from .kv_cache import KVCache, LayerKV
 from .linear import Linear
 from .parallel import SINGLE, Shard, TensorParallel, embed
@@ -232,16 +231,10 @@ class DecoderModel:
         return swiglu(gate_up(x, self.out_dtype), self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """With `wide`, written in fp32 by cuBLAS instead of rounded to bf16. With several ranks, each
+        """With `wide`, written in fp32 instead of rounded to bf16. With several ranks, each
         scores its rows of the vocabulary and an all-gather joins them."""
-        if not self.wide:
-            out = F.linear(hidden, self.lm_head).float()
-        elif gemv_ok(hidden, self.lm_head):  # batch-1 decode: kernels/gemv.py
-            out = gemv(hidden, self.lm_head, None, 0, None, torch.float32)
-        elif skinny_ok(hidden, self.lm_head):  # 2-16 rows: kernels/skinny.py
-            out = skinny(hidden, self.lm_head, None, torch.float32)
-        else:
-            out = torch.mm(hidden, self.lm_head.t(), torch.float32)
+        # An unquantized product like any layer's (one row on the GEMV, 2-16 on the skinny kernel, else cuBLAS)
+        out = self.method.dense.apply({"weight": self.lm_head}, hidden, None, torch.float32)
         if self.tp.size == 1:
             return out
         return self.tp.all_gather_cols(out)[:, : self.cfg.vocab_size]

@@ -127,7 +127,7 @@ class W8(LinearMethod):
         return w8a16_linear(x, w["qweight"], w["scale"], bias, out_dtype)
 
     def gemv_operands(self, w, x, out_dtype):
-        return (w["qweight"], w["scale"].contiguous(), 0) if gemv_ok(x, w["qweight"]) else None
+        return (w["qweight"], w["scale"], 0) if gemv_ok(x, w["qweight"]) else None
 
 
 class W4(LinearMethod):
@@ -217,7 +217,7 @@ class FP8(LinearMethod):
         block = self.block or 0
         if fp8_path(x.device) != "w8a8" or (block and (block < 16 or block & (block - 1))):
             return None  # fp8_linear's reference and weight-only paths
-        return (w["weight"], w["scale"].contiguous(), block) if gemv_ok(x, w["weight"], block) else None
+        return (w["weight"], w["scale"], block) if gemv_ok(x, w["weight"], block) else None
 
 
 def tinygemm_operands(
