@@ -34,7 +34,10 @@
 # WORK (/tmp/llmserve-stack-bench), OUT (the device tool's), FRESH=1 (forget earlier results), and any
 # llmserve setting (ports, KV cache, ...). CLIENT_CPUS / SERVER_CPUS (taskset lists, e.g. 12-15 / 0-11): pin
 # the served benches' clients and the stack (and the in-process engine) to separate CPUs, as clients on
-# other machines would be; unset: all share every CPU. Without a GPU (MODEL_DIR=<demo model>, tiny RUNS) it runs
+# other machines would be; unset: all share every CPU. CORE_CPUS (a taskset list inside SERVER_CPUS' complement,
+# e.g. 0 with SERVER_CPUS=1-9): the served engine core's process, once started, moves there alone (every thread), so
+# the stack's other processes never take its CPU. STEP_TRACE=1: LLMSERVE_STEP_TRACE of the served engine core into
+# $OUT/steps-stack.txt and of the in-process engine into $OUT/steps-engine.txt (one line a step, docs/engine.md). Without a GPU (MODEL_DIR=<demo model>, tiny RUNS) it runs
 # the same way on the CPU, which is how it is tested.
 set -uo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -266,6 +269,7 @@ bench() {  # bench BACKEND PROMPTS CONCURRENCY-LIST [REPEAT]
   [[ "$b" == engine ]] || extra+=(--client-processes "${CLIENT_PROCESSES:-1}")
   local pin=()  # the in-process engine is the server's side; a served bench's client is the client's
   if [[ "$b" == engine && -n "${SERVER_CPUS:-}" ]]; then pin=(taskset -c "$SERVER_CPUS"); fi
+  if [[ "$b" == engine && "${STEP_TRACE:-0}" == 1 ]]; then pin=(env LLMSERVE_STEP_TRACE="$OUT/steps-engine.txt" "${pin[@]}"); fi
   if [[ "$b" != engine && -n "${CLIENT_CPUS:-}" ]]; then pin=(taskset -c "$CLIENT_CPUS"); fi
   log "bench $name: output in $WORK/bench-logs/$name.log"
   : >"$WORK/intake.txt"  # this bench's marks only
@@ -323,7 +327,14 @@ if has_phase stack && ((STACK_OK)); then
   # bench's marks become its hops' delays (scripts/intake_report.py) in stack_bench.json's "intake".
   server_pin=()
   [[ -n "${SERVER_CPUS:-}" ]] && server_pin=(taskset -c "$SERVER_CPUS")
+  [[ "${STEP_TRACE:-0}" == 1 ]] && export LLMSERVE_STEP_TRACE="$OUT/steps-stack.txt"
   if LLMSERVE_INTAKE_TRACE="$WORK/intake.txt" step start_server 120 "${server_pin[@]}" ./start_server.sh; then
+    unset LLMSERVE_STEP_TRACE
+    if [[ -n "${CORE_CPUS:-}" ]]; then  # the core alone on its CPUs (every thread of it)
+      for pid in $(pgrep -f "llmserve.serving.engine_core"); do
+        taskset -apc "$CORE_CPUS" "$pid" >/dev/null && log "engine core $pid pinned to CPUs $CORE_CPUS"
+      done
+    fi
     for rep in $(seq 1 "$REPEATS"); do  # every backend on one workload before the next workload
       for run in $RUNS; do
         for b in ${BACKENDS//,/ }; do bench "$b" "${run%%:*}" "${run#*:}" "$(rep_tag "$rep")"; done
