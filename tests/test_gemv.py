@@ -1,6 +1,7 @@
-"""The batch-1 GEMV over int8 / FP8 / bf16 weights (kernels/gemv.py): its reference against float64, the kernel under
-Triton's interpreter (CPU, in a subprocess: triton reads TRITON_INTERPRET at import) and on a GPU, and that
-w8a16_linear, fp8_linear and the unquantized layers give it their one-row products."""
+"""The decode GEMVs over int8 / FP8 / bf16 weights (kernels/gemv.py, one row) and 4-bit weights (kernels/gemv4.py,
+1-4 rows): their references against float64, the kernels under Triton's interpreter (CPU, in a subprocess: triton
+reads TRITON_INTERPRET at import) and on a GPU, and that w8a16_linear, fp8_linear, the unquantized layers and the
+int4 layers give them their small products."""
 
 from __future__ import annotations
 
@@ -13,12 +14,18 @@ import triton_interpreter
 
 from llmserve.runners.torch.kernels import HAS_TRITON
 from llmserve.runners.torch.kernels.gemv import gemv_ref
+from llmserve.runners.torch.kernels.gemv4 import gemv4_dequantize, gemv4_operands
+from llmserve.runners.torch.quant import formats
 
 
 def rand_weight(gen: torch.Generator, N: int, K: int, fmt: str, block: int, device: str = "cpu"):
-    """(weight, scale): int8 codes or FP8 values over their whole range, per-row or block scales."""
+    """(weight, scale): int8 codes or FP8 values over their whole range, per-row or block scales; int4: a random
+    matrix quantized to canonical w4 (groups of `block` or 128), as the 4-bit GEMV's operands."""
     if fmt == "bf16":  # unquantized: no scale
         return torch.randn(N, K, generator=gen).to(torch.bfloat16).to(device), None
+    if fmt == "int4":
+        w, sz = gemv4_operands(*formats.quantize_w4(torch.randn(N, K, generator=gen), block or 128))
+        return w.to(device), sz.to(device)
     if fmt == "int8":
         w = torch.randint(-127, 128, (N, K), generator=gen, dtype=torch.int8)
     else:
@@ -29,8 +36,10 @@ def rand_weight(gen: torch.Generator, N: int, K: int, fmt: str, block: int, devi
 
 
 def float64_product(x, w, scale, block, bias):
-    W = w.double()
-    if scale is None:
+    W = w.double() if w.dtype != torch.int32 else gemv4_dequantize(w, scale).double()
+    if w.dtype == torch.int32:
+        s = torch.ones(1, 1, dtype=torch.float64, device=w.device)
+    elif scale is None:
         s = torch.ones(1, 1, dtype=torch.float64, device=w.device)
     elif block:
         s = scale.double().repeat_interleave(block, 0)[: w.shape[0]].repeat_interleave(block, 1)[:, : w.shape[1]]
@@ -54,6 +63,20 @@ def test_reference_against_float64(fmt, block, fresh_seed):
     y = gemv_ref(x, w, s, block, bias, torch.float32)
     assert y.shape == (1, N) and y.dtype == torch.float32
     assert rel_err(y, float64_product(x, w, s, block, bias)) < 1e-5, f"seed {fresh_seed}"
+
+
+@pytest.mark.parametrize("N,K,G", [(70, 256, 128), (33, 512, 64), (8, 1024, 256)])
+def test_int4_operands_hold_the_canonical_weights(N, K, G, fresh_seed):
+    """gemv4's operands (words transposed and scattered, scale and zero in one word) dequantize to the canonical
+    w4's weights, up to the scale's 18 kept mantissa bits; zero points it cannot hold get no operands."""
+    gen = torch.Generator().manual_seed(fresh_seed)
+    q, s, z = formats.quantize_w4(torch.randn(N, K, generator=gen), G)
+    w, sz = gemv4_operands(q, s, z)
+    assert w.shape == (N, K // 8) and w.dtype == torch.int32 and sz.shape == (N, K // G)
+    want = formats.dequantize_w4(q, s, z, G).double()
+    assert rel_err(gemv4_dequantize(w, sz), want) < 2**-17, f"seed {fresh_seed}"
+    assert gemv4_operands(q, s, z + 32) is None and gemv4_operands(q, s, z + 0.5) is None
+    assert gemv4_operands(q, s * 0, z) is None  # no positive normal scale
 
 
 INTERP_SCRIPT = textwrap.dedent(
@@ -113,8 +136,41 @@ INTERP_SCRIPT = textwrap.dedent(
         for a, b in zip(caches[:2], caches[2:]):
             assert torch.allclose(a.float(), b.float(), rtol=2e-3, atol=1e-3), fmt
             assert (a != 0).any() == (slot >= 0), fmt  # a padding slot (-1) writes nothing
-    G.GEMV_MAX_M = 0  # off: the tensor-core kernel, a different summation order
-    assert not G.gemv_ok(x, w)
+    # 4-bit weights: 1-4 rows, ragged N, groups of 64 and 128, bias, each output dtype, the epilogues at one row
+    from llmserve.runners.torch.quant import formats
+    from llmserve.runners.torch.quant.methods import W4
+    for N, K, G_, rows, out in [(40, 512, 128, 1, torch.float32), (37, 256, 64, 3, torch.bfloat16), (48, 1024, 128, 4, torch.float32), (32, 384, 128, 2, torch.float32)]:
+        w, s = rand_weight(gen, N, K, "int4", G_)
+        x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
+        bias = torch.randn(N, generator=gen).to(torch.bfloat16) if rows % 2 else None
+        y = G.gemv(x, w, s, 0, bias, out)
+        assert y.shape == (rows, N) and y.dtype == out, (N, K, rows)
+        assert rel_err(y, float64_product(x, w, s, 0, bias)) < (1e-5 if out == torch.float32 else 2**-7), (N, K, rows)
+        assert torch.equal(y[rows - 1 :], G.gemv(x[rows - 1 :], w, s, 0, bias, out))  # a row is its own product
+        if N % 2 == 0:  # as gate | up rows: the SwiGLU in the epilogue
+            rows_ = G.gemv(x[:1], w, s, 0, None, torch.float32)
+            g, u = rows_.double().chunk(2, dim=-1)
+            got = G.gemv(x[:1], w, s, 0, None, torch.bfloat16, glu=True)
+            assert rel_err(got, g * torch.sigmoid(g) * u) < 2**-7, (N, K)
+    assert G.gemv_ok(torch.randn(4, 512), w) and not G.gemv_ok(torch.randn(5, 512), w)
+    w, s = rand_weight(gen, (H + 2 * KVH) * D, 128, "int4", 64)
+    x = torch.randn(1, 128, generator=gen).to(torch.bfloat16)
+    caches = [torch.zeros(4, KVH, bs, D, dtype=torch.float16) for _ in range(4)]
+    pos, slots = torch.tensor([7]), torch.tensor([9])
+    got = G.gemv(x, w, s, 0, None, torch.float32, rope=G.RopeCache(pos, slots, cs, caches[0], caches[1], H, KVH))
+    want = G.gemv(x, w, s, 0, None, torch.float32)
+    rotary.rope_and_cache_ref(want, pos, slots, cs, caches[2], caches[3], H, KVH)
+    assert rel_err(got, want.double()) < 1e-6
+    for a, b in zip(caches[:2], caches[2:]):
+        assert torch.allclose(a.float(), b.float(), rtol=2e-3, atol=1e-3)
+    # an int4 layer's 1-4-row products are this kernel's, bit for bit
+    q, sc, z = formats.quantize_w4(torch.randn(64, 256, generator=gen), 128)
+    g4 = dict(zip(("g4_weight", "g4_sz"), rand_weight(gen, 64, 256, "int4", 128)))
+    canon = dict(qweight=q, scales=sc, zeros=z, **g4)
+    x = torch.randn(3, 256, generator=gen).to(torch.bfloat16)
+    assert torch.equal(W4(torch.bfloat16).apply(canon, x, None, torch.float32), G.gemv(x, g4["g4_weight"], g4["g4_sz"], 0, None, torch.float32))
+    G.GEMV_MAX_M = 0  # off: the tensor-core kernels, a different summation order
+    assert not G.gemv_ok(x[:1], w) and not G.gemv_ok(x[:1], g4["g4_weight"])
     print("ok", len(cases))
     """
 )
@@ -127,7 +183,7 @@ def test_kernel_under_interpreter(fresh_seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt,block", [("int8", 0), ("fp8", 0), ("fp8", 128), ("bf16", 0)])
+@pytest.mark.parametrize("fmt,block", [("int8", 0), ("fp8", 0), ("fp8", 128), ("bf16", 0), ("int4", 0)])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (1000, 1152)])
 def test_gpu_against_float64(fmt, block, N, K, fresh_seed):
     from llmserve.runners.torch.kernels.gemv import gemv
@@ -142,6 +198,11 @@ def test_gpu_against_float64(fmt, block, N, K, fresh_seed):
     y = gemv(x, w, s, block, bias, torch.float32)
     assert rel_err(y, ref) < 1e-5, f"seed {fresh_seed}"
     assert torch.equal(y, gemv(x, w, s, block, bias, torch.float32))  # no atomics: the same bits every run
+    if fmt == "int4":  # 2-4 rows in one launch, each row its own product's bits
+        xs = torch.randn(4, K, generator=gen).to(torch.bfloat16).cuda()
+        ys = gemv(xs, w, s, 0, bias, torch.float32)
+        assert rel_err(ys, float64_product(xs, w, s, 0, bias)) < 1e-5, f"seed {fresh_seed}"
+        assert all(torch.equal(ys[i : i + 1], gemv(xs[i : i + 1], w, s, 0, bias, torch.float32)) for i in range(4))
     assert rel_err(gemv(x, w, s, block, bias, torch.bfloat16), ref) < 2**-7
     if block == 0 and N % 2 == 0:  # as gate | up rows: the SwiGLU in the epilogue gives the separate kernel's bits
         from llmserve.runners.torch.kernels.activation import swiglu
@@ -151,7 +212,7 @@ def test_gpu_against_float64(fmt, block, N, K, fresh_seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16", "int4"])
 @pytest.mark.parametrize("H,KVH", [(32, 8), (16, 4), (8, 1)])
 def test_gpu_rope_epilogue_gives_rope_and_cache_bits(fmt, H, KVH, fresh_seed):
     import numpy as np

@@ -326,7 +326,10 @@ class Config:
         doc="with the fused sums: a batch-1 row-parallel GEMV writes its row into every rank's buffer itself",
     )
     gemv: bool = _setting(
-        "LLMSERVE_GEMV", True, _bool, doc="CUDA: one-row products (batch-1 decode) on our GEMV instead of cuBLAS"
+        "LLMSERVE_GEMV",
+        True,
+        _bool,
+        doc="CUDA: one-row products (batch-1 decode) and 1-4-row int4 products on our GEMVs",
     )
     skinny: bool = _setting(
         "LLMSERVE_SKINNY",

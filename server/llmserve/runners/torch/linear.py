@@ -53,7 +53,7 @@ class Linear:
     @property
     def nbytes(self) -> int:
         """Bytes a batch-1 step reads (the decode floor's): where a method keeps a second layout for
-        small products (int4's tinygemm operands), that one."""
+        small products (int4's 4-bit GEMV operands), that one."""
         if self.parts is not None:
             return sum(p.nbytes for p in self.parts)
         ts = self.method.decode_tensors(self.w) + ([self.bias] if self.bias is not None else [])

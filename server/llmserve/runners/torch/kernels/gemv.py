@@ -25,7 +25,8 @@ What becomes of the row (`gemv`'s push, glu, rope): written out; or pushed, as k
 into every rank's buffer of the fused sum that follows a row-parallel projection (FusedSumNorm.push); or,
 for gate_up, silu(gate) * up (a program's rows alternate gate j, up j); or, for qkv, rotated and written
 into the KV cache as kernels/rotary.py does it (a program's rows pair a head's j and j + D/2). The last two
-give the separate kernels' bits and save their launches (two a layer).
+give the separate kernels' bits and save their launches (two a layer). gemv_epilogue.py holds them, shared with
+gemv4.py's kernel over 4-bit weights, which `gemv` launches for an int32 weight.
 """
 
 from __future__ import annotations
@@ -37,14 +38,15 @@ import torch
 from llmserve.config import Config
 
 from . import use_triton
+from .gemv4 import GEMV4_MAX_M, SCATTER, gemv4_launch
 from .rotary import QUANT_MAX, saturation
 
 try:
     import triton
     import triton.language as tl
 
-    from .rotary import rope_pairs
-    from .sum_norm import push_words
+    from .gemv4 import _gemv4_kernel
+    from .gemv_epilogue import gemv_finish, gemv_rows
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -108,21 +110,8 @@ if triton is not None:
         CACHE_BLOCK: tl.constexpr,
         LIMIT: tl.constexpr,
     ):
-        # EPI 2 and 3 take rows in pairs, adjacent in the program: gate j and up j; a head's j and j + HALF
         pid = tl.program_id(0)
-        if EPI == 2:
-            i = tl.arange(0, BLOCK_N)
-            ro = pid * (BLOCK_N // 2) + i // 2
-            rn = ro + (i % 2) * N
-            n_ok = ro < N
-        elif EPI == 3:
-            i = tl.arange(0, BLOCK_N)
-            t = pid * (BLOCK_N // 2) + i // 2
-            rn = (t // HALF) * (2 * HALF) + t % HALF + (i % 2) * HALF
-            n_ok = rn < N
-        else:
-            rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-            n_ok = rn < N
+        rn, n_ok = gemv_rows(pid, N, BLOCK_N, EPI, HALF)
         rk = tl.arange(0, BLOCK_K)
         w_ptrs = w_ptr + rn[:, None].to(tl.int64) * stride_wn + rk[None, :]
         s_row = s_ptr
@@ -147,23 +136,11 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         if SB == 0:  # SB < 0: no scale (bf16 weights)
             y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
-        if HAS_BIAS:
-            y += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        if EPI == 1:  # the fused sum's next call (it adds the 1 to the epoch itself)
-            push_words(y, rn, n_ok, bases_ptr, tl.load(epochs_ptr) + 1, slot, RANK, WORLD)
-        elif EPI == 2:  # silu(gate) * up, as kernels/activation.py computes it from the fp32 rows
-            g, u = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-            ro = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            tl.store(out_ptr + ro, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=ro < N)
-        elif EPI == 3:  # kernels/rotary.py's rotation and cache write, for the program's pairs
-            x1, x2 = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
-            r1 = tl.split(tl.reshape(rn, (BLOCK_N // 2, 2)))[0]
-            rope_pairs(
-                x1, x2, r1, r1 < N, out_ptr, pos_ptr, slot_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, stride_cb,
-                stride_ch, num_heads, num_kv_heads, HALF, CACHE_BLOCK, LIMIT,
-            )  # fmt: skip
-        else:
-            tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+        gemv_finish(
+            y, rn, n_ok, pid, N, b_ptr, out_ptr, bases_ptr, epochs_ptr, slot, pos_ptr, slot_ptr, cs_ptr, k_cache_ptr,
+            v_cache_ptr, stride_cb, stride_ch, num_heads, num_kv_heads, HAS_BIAS, EPI, RANK, WORLD, HALF, CACHE_BLOCK,
+            LIMIT, BLOCK_N,
+        )  # fmt: skip
 
 
 def gemv_ref(
@@ -204,9 +181,10 @@ def gemv_launch(N: int, itemsize: int = 1) -> tuple[int, int, int, int]:
 
 
 def gemv_ok(x: torch.Tensor, weight: torch.Tensor, block: int = 0) -> bool:
-    """Whether `gemv` runs this product: at most GEMV_MAX_M rows (one), Triton, a K-contiguous weight, and
-    (block scales) a block that the rows of a program divide."""
-    if x.dim() != 2 or not 1 <= x.shape[0] <= GEMV_MAX_M or not use_triton(x) or weight.stride(1) != 1:
+    """Whether `gemv` runs this product: at most GEMV_MAX_M rows (one; 4-bit weights, int32 words: GEMV4_MAX_M),
+    Triton, a K-contiguous weight, and (block scales) a block that the rows of a program divide."""
+    most = GEMV4_MAX_M if weight.dtype == torch.int32 and GEMV_MAX_M else GEMV_MAX_M
+    if x.dim() != 2 or not 1 <= x.shape[0] <= most or not use_triton(x) or weight.stride(1) != 1:
         return False  # (no rows: the logits of a step that samples none)
     return block == 0 or block % gemv_launch(weight.shape[0], weight.element_size())[0] == 0
 
@@ -239,8 +217,10 @@ def gemv(
 ) -> torch.Tensor | None:
     """x [1, K] @ (weight [N, K] int8 or float8_e4m3fn, times scale).T (+ bias [N]) -> [1, N] in out_dtype
     (default x's). scale: fp32 [N] (block 0), or [ceil(N / block), ceil(K / block)]; None with a bf16/fp16
-    weight (unquantized layers, the LM head). config, conv: the launch and the conversion, for the sweep
-    (defaults: gemv_launch; the mantissa path for int8). At most one of:
+    weight (unquantized layers, the LM head). 4-bit weights: `weight` int32 [N, K // 8] and `scale` int32
+    [N, K // G], gemv4.py's operands, and x 1-4 rows [M, K] -> [M, N] (the epilogues below at one row).
+    config, conv: the launch and the conversion, for the sweep (defaults: gemv_launch; the mantissa path for
+    int8; 4-bit weights: gemv4_launch). At most one of:
     push: (bases, epochs, rank, world, slot) of a FusedSumNorm, which then gets the fp32 row instead of the
       caller (returns None);
     glu: the weight is a gate | up projection [2n, K], and the result is silu(gate) * up [1, n] in out_dtype;
@@ -249,21 +229,32 @@ def gemv(
     glu and rope compute from the same fp32 rows as the product alone (the same launch), then as the
     separate kernel does: its bits."""
     N, K = weight.shape
-    if x.shape != (1, K):
-        raise ValueError(f"gemv: x {tuple(x.shape)} is not one row of K={K}")
-    block_n, block_k, warps, prefetch = config or gemv_launch(N, weight.element_size())
+    w4 = weight.dtype == torch.int32  # 4-bit weights: gemv4.py's operands, `scale` their scale-and-zero words
+    if w4:
+        K *= 8
+    rows = x.shape[0] if w4 else 1
+    if x.dim() != 2 or x.shape[1] != K or not 1 <= x.shape[0] <= (GEMV4_MAX_M if w4 else 1):
+        raise ValueError(f"gemv: x {tuple(x.shape)} is not {'1-4 rows' if w4 else 'one row'} of K={K}")
+    if w4 and (block or scale is None or scale.dtype != torch.int32):
+        raise ValueError("gemv: 4-bit weights take their int32 scale-and-zero words (gemv4_operands), no block")
+    if w4:
+        block_n, gpt, warps = gemv4_launch(K, K // scale.shape[1])
+    else:
+        block_n, block_k, warps, prefetch = config or gemv_launch(N, weight.element_size())
     if block % block_n:
         raise ValueError(f"gemv: BLOCK_N={block_n} does not divide the scale block {block}")
     epi = 1 if push is not None else 2 if glu else 3 if rope is not None else 0
     if (push is not None) + glu + (rope is not None) > 1 or (epi > 1 and (N % 2 or block_n % 2 or block)):
         raise ValueError("gemv: one of push, glu, rope; glu and rope take pairs of rows (an even N, no scale blocks)")
+    if epi and rows > 1:
+        raise ValueError("gemv: push, glu and rope take one row")
     if conv is None:
         conv = 1 if weight.dtype == torch.int8 else 0
     x = x.contiguous()
     if scale is not None:
         scale = scale.contiguous()
     n_out = N // 2 if glu else N
-    out = weight if push is not None else torch.empty(1, n_out, dtype=out_dtype or x.dtype, device=x.device)
+    out = weight if push is not None else torch.empty(rows, n_out, dtype=out_dtype or x.dtype, device=x.device)
     bases, epochs, rank, world, slot = push or (weight, weight, 0, 1, 0)
     half, cache_block, limit, rope_args = 1, 1, 0.0, (weight,) * 5 + (0, 0, 0, 0)
     if rope is not None:
@@ -277,11 +268,22 @@ def gemv(
         rope_args += (rope.num_heads, rope.num_kv_heads)
     per_program = block_n // 2 if epi > 1 else block_n  # outputs (glu), pairs (rope) or rows a program
     count = N // 2 if epi > 1 else N
-    _gemv_kernel[(triton.cdiv(count, per_program),)](
+    epilogue = dict(EPI=epi, RANK=rank, WORLD=world, HALF=half, CACHE_BLOCK=cache_block, LIMIT=limit)
+    grid = (triton.cdiv(count, per_program),)
+    bias_arg = bias if bias is not None else weight
+    if w4:
+        _gemv4_kernel[grid](
+            x, weight, scale, bias_arg, out, n_out, K, weight.stride(0), scale.stride(0), x.stride(0),
+            out.stride(0) if push is None else 0, bases, epochs, slot, *rope_args,
+            HAS_BIAS=bias is not None, EVEN_N=count % per_program == 0, ROWS=rows, BLOCK_N=block_n, GPT=gpt,
+            WG=K // scale.shape[1] // 8, SCATTER=SCATTER, **epilogue, num_warps=warps, num_stages=1,
+        )  # fmt: skip
+        return None if push is not None else out
+    _gemv_kernel[grid](
         x,
         weight,
         scale if scale is not None else weight,
-        bias if bias is not None else weight,
+        bias_arg,
         out,
         n_out,
         K,
@@ -299,12 +301,7 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PREFETCH=bool(prefetch),
-        EPI=epi,
-        RANK=rank,
-        WORLD=world,
-        HALF=half,
-        CACHE_BLOCK=cache_block,
-        LIMIT=limit,
+        **epilogue,
         num_warps=warps,
         num_stages=1,
     )

@@ -22,6 +22,7 @@ from llmserve.config import Config, ConfigError
 
 from ..kernels.fp8_gemm import fp8_linear, fp8_path
 from ..kernels.gemv import gemv, gemv_ok
+from ..kernels.gemv4 import gemv4_operands
 from ..kernels.quant_gemm import w4a16_linear, w8a16_linear
 from ..kernels.skinny import skinny, skinny_ok
 from ..linear import Linear
@@ -33,8 +34,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GROUP = 128  # online int4: weights per scale and zero point along K
-# Up to this many rows an int4 product runs PyTorch's tinygemm kernel (H100, 8B projections, in CUDA
-# graphs: 2.1-2.2x faster than ours at M = 1, 1.5-1.9x slower at M = 16; measurements/wo_library_h100.json).
+# Up to this many rows an int4 layer that the 4-bit GEMV cannot take runs PyTorch's tinygemm kernel (H100, 8B
+# projections, in CUDA graphs: 2.1-2.2x faster than our tensor-core kernel at M = 1, 1.5-1.9x slower at M = 16;
+# measurements/wo_library_h100.json)
 TINYGEMM_MAX_M = 4
 
 # Part of a projection one rank holds (tensor parallelism, parallel.py): (0, lo, hi) its output rows
@@ -163,29 +165,43 @@ class W4(LinearMethod):
         return all(q is not None and torch.equal(q, perms[0]) for q in perms)
 
     def finish(self, linear: Linear) -> Linear:
-        """On CUDA, also PyTorch's tinygemm operands for decode-sized products (TINYGEMM_MAX_M)."""
+        """On CUDA, also the 4-bit GEMV's operands for products of 1-4 rows (kernels/gemv4.py); where it cannot take
+        the layer (a group size or zero point it does not hold), PyTorch's tinygemm operands instead."""
         w = linear.w
-        if w["qweight"].is_cuda and hasattr(torch.ops.aten, "_weight_int4pack_mm"):
+        if not w["qweight"].is_cuda:
+            return linear
+        ops = gemv4_operands(w["qweight"], w["scales"], w["zeros"])
+        if ops is not None:
+            w["g4_weight"], w["g4_sz"] = ops
+        elif hasattr(torch.ops.aten, "_weight_int4pack_mm"):
             G = w["qweight"].shape[0] * 8 // w["scales"].shape[0]
             try:
                 w["tg_weight"], w["tg_scales_zeros"] = tinygemm_operands(w["qweight"], w["scales"], w["zeros"], G)
-            except RuntimeError as e:  # a shape or build it does not take: our kernel for every M
+            except RuntimeError as e:  # a shape or build it does not take: our tensor-core kernel for every M
                 log.info("int4 layer %s: no tinygemm operands (%s)", tuple(w["qweight"].shape), e)
         return linear
 
     def decode_tensors(self, w: dict[str, torch.Tensor]) -> list[torch.Tensor]:
-        """With tinygemm's operands, those (and the act-order permutation): small products read them."""
-        if "tg_weight" not in w:
-            return super().decode_tensors(w)
-        return [w[k] for k in ("tg_weight", "tg_scales_zeros", "perm") if k in w]
+        """The small products' operands where the layer has them (and the act-order permutation)."""
+        for keys in (("g4_weight", "g4_sz"), ("tg_weight", "tg_scales_zeros")):
+            if keys[0] in w:
+                return [w[k] for k in (*keys, "perm") if k in w]
+        return super().decode_tensors(w)
 
     def apply(self, w, x, bias, out_dtype):
+        if "g4_weight" in w and gemv_ok(x, w["g4_weight"]):  # 1-4 rows: the 4-bit GEMV
+            return gemv(x, w["g4_weight"], w["g4_sz"], 0, bias, out_dtype)
         G = w["qweight"].shape[0] * 8 // w["scales"].shape[0]
         if "tg_weight" in w and x.shape[0] <= TINYGEMM_MAX_M and x.dtype == torch.bfloat16:
             out = torch.ops.aten._weight_int4pack_mm(x, w["tg_weight"], G, w["tg_scales_zeros"])
             out = out if bias is None else out + bias
             return out.to(out_dtype)
         return w4a16_linear(x, w["qweight"], w["scales"], w["zeros"], G, bias, out_dtype)
+
+    def gemv_operands(self, w, x, out_dtype):
+        if "g4_weight" not in w or x.shape[0] != 1 or not gemv_ok(x, w["g4_weight"]):
+            return None
+        return w["g4_weight"], w["g4_sz"], 0
 
 
 class FP8(LinearMethod):
