@@ -237,3 +237,72 @@ def test_gpu_rope_epilogue_gives_rope_and_cache_bits(fmt, H, KVH, fresh_seed):
         rotary.rope_and_cache(want, p, sl, cs, caches[0], caches[1], H, KVH)
         assert torch.equal(got, want), f"seed {fresh_seed}"
         assert torch.equal(mine[0], caches[0]) and torch.equal(mine[1], caches[1]), f"seed {fresh_seed}"
+
+
+def test_pdl_setting_and_where_it_applies():
+    from llmserve.config import Config, ConfigError
+    from llmserve.runners.torch.kernels.pdl import pdl_on
+
+    for bad in ("2", "maybe"):
+        with pytest.raises(ConfigError, match="LLMSERVE_PDL"):
+            Config.from_env({"LLMSERVE_PDL": bad}).validate()
+    assert Config.from_env({"LLMSERVE_PDL": "0"}).pdl is False
+    assert not pdl_on(torch.zeros(1))  # off on the CPU (and under the interpreter: CPU tensors)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16", "int4"])
+def test_gpu_pdl_chain_gives_the_same_bits(fmt, monkeypatch, fresh_seed):
+    """A layer's batch-1 chain (norm, qkv + rotary + cache, o, norm, gate_up + SwiGLU, down) launched with PDL
+    (kernels/pdl.py), eagerly and in a CUDA graph, gives the bits of the chain launched without it."""
+    import numpy as np
+
+    from llmserve.runners.torch.kernels import pdl, rotary
+    from llmserve.runners.torch.kernels.gemv import RopeCache, gemv
+    from llmserve.runners.torch.kernels.norm import rms_norm
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    H, KVH, D, K, F, bs, f32, bf16 = 32, 8, 128, 4096, 4096, 64, torch.float32, torch.bfloat16
+    gen = torch.Generator().manual_seed(fresh_seed)
+    qkv, o = rand_weight(gen, (H + 2 * KVH) * D, K, fmt, 0, "cuda"), rand_weight(gen, K, H * D, fmt, 0, "cuda")
+    gate_up, down = rand_weight(gen, 2 * F, K, fmt, 0, "cuda"), rand_weight(gen, K, F, fmt, 0, "cuda")
+    norms = [(1 + 0.1 * torch.randn(K, generator=gen)).to(bf16).cuda() for _ in range(2)]
+    cs = rotary.rope_cos_sin(1.0 / 500000 ** (np.arange(0, D, 2) / D), 4096, "cuda")
+    pos, slot = torch.tensor([1234], device="cuda"), torch.tensor([777], device="cuda")
+    h0 = torch.randn(1, K, generator=gen).cuda()
+    res0 = torch.randn(1, K, generator=gen).cuda()
+
+    def chain(h, residual, kc, vc):
+        for _ in range(3):
+            x = rms_norm(h, norms[0], 1e-5, residual)
+            q = gemv(x, *qkv, 0, None, f32, rope=RopeCache(pos, slot, cs, kc, vc, H, KVH))
+            h = gemv(q[:, : H * D], *o, 0, None, f32)
+            x = rms_norm(h, norms[1], 1e-5, residual)
+            h = gemv(gemv(x, *gate_up, 0, None, bf16, glu=True), *down, 0, None, f32)
+        return h
+
+    def state():
+        return h0.clone(), res0.clone(), torch.zeros(16, KVH, bs, D, device="cuda", dtype=torch.float16), torch.zeros(16, KVH, bs, D, device="cuda", dtype=torch.float16)  # fmt: skip
+
+    monkeypatch.setattr(pdl, "PDL_ON", False)
+    want = state()
+    want = (chain(*want), *want[1:])
+    monkeypatch.setattr(pdl, "PDL_ON", True)
+    s = state()
+    got = (chain(*s), *s[1:])
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), f"eager, seed {fresh_seed}"
+    s = state()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(*state())  # compiled, warmed up
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(*s)
+    for _ in range(2):  # replayed from the same start: the same bits each time
+        s[0].copy_(h0), s[1].copy_(res0), s[2].zero_(), s[3].zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip((out, *s[1:]), want)), f"graph, seed {fresh_seed}"

@@ -373,6 +373,24 @@ def test_gumbel_kernel_matches_reference():
     assert gumbel_argmax(logits, inv_t, keys).tolist() == gumbel_argmax_ref(logits, inv_t, keys).tolist()
 
 
+@needs_kernels
+def test_argmax_kernel_matches_torch(fresh_seed):
+    """kernels/sampling.py's split argmax gives torch.argmax's indices: ties to the first, -inf rows, NaN, a vocabulary
+    that no chunk divides, rows of a wider tensor (a stride)."""
+    from llmserve.runners.torch.kernels.sampling import argmax
+
+    gen = torch.Generator().manual_seed(fresh_seed)
+    for vocab in (1, 1000, 70001, 129 * 1024 + 3):
+        x = torch.randn(5, vocab + 7, generator=gen)[:, :vocab]
+        x[1] = float("-inf")  # nothing allowed: index 0
+        x[2, vocab // 2 :] = x[2].max() + 1  # a tie over the second half: its first index
+        x[3] = x[3].round()  # many ties
+        x[4, vocab // 3] = float("nan")
+        x = x.to(DEV)
+        assert argmax(x).tolist() == x.argmax(dim=1).tolist(), (vocab, fresh_seed)
+    assert argmax(torch.zeros(0, 10, device=DEV)).shape == (0,)
+
+
 # ---------------------------------------------------------------- with the engine
 def test_engine_with_torch_runner_matches_transformers(tmp_path):
     """LLMEngine (scheduler, block manager, prefix cache) over TorchRunner: greedy tokens as HF's."""

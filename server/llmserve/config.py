@@ -343,6 +343,13 @@ class Config:
         _bool,
         doc="with the GEMV: the one-row products of gate_up and qkv do the SwiGLU and the rotary + cache write too",
     )
+    pdl: bool = _setting(
+        "LLMSERVE_PDL",
+        True,
+        _bool,
+        doc="CUDA sm_90+: the 8/16-bit GEMV, RMSNorm and attention kernels launch while the kernel before them ends "
+        "(programmatic dependent launch)",
+    )
     torch_kernels: str = _setting(
         "LLMSERVE_TORCH_KERNELS",
         "",

@@ -24,12 +24,13 @@ from llmserve.runners.base import ModelRunner, SeqChunk, StepBatch, StepResult, 
 
 from .cuda_graphs import DecodeGraphs, decode_splits, verify_arrays
 from .inputs import StepInputs, Uploader, host_arrays, work_items
+from .kernels import pdl
 from .kernels.attention import AttnMeta, tile_tokens
 from .kv_cache import kv_spec_for
 from .model import DecoderModel
 from .mtp import MTPHead
 from .parallel import SINGLE, TensorParallel, check_shardable
-from .quant.methods import method_for
+from .quant.methods import W4, method_for
 from .sampler import DeviceSampler
 
 log = logging.getLogger(__name__)
@@ -87,6 +88,9 @@ class TorchRunner(ModelRunner):
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
         method = method_for(model_dir, config, self.device, self.dtype)
+        if isinstance(method, W4) and pdl.PDL_ON:  # its decode chain was slower with PDL, or no faster (pdl.py)
+            pdl.PDL_ON = False
+            log.info("int4 weights: decode kernels launched without PDL")
         self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1, method, tp)
         # Shapes below are this rank's (its heads, KV heads); vocabulary and layers are the model's.
         self.model_config = mc = self.model.local

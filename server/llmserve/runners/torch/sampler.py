@@ -42,7 +42,7 @@ from llmserve.engine.request import Request
 from llmserve.engine.sampler import bias_arrays
 from llmserve.runners.base import SeqChunk, TokenLogprobs
 
-from .kernels.sampling import M32, gumbel_argmax, mix_key
+from .kernels.sampling import M32, argmax, gumbel_argmax, mix_key
 from .penalties import PenaltyState
 
 # Salts the seeds of a draft model's draws (`propose`) away from the target's: the draft's proposals must
@@ -192,7 +192,7 @@ class DeviceSampler:
         rows of greedy requests mean nothing; None when all are greedy), on the device. Counts no
         penalty tokens: the caller keeps the counts at the accepted output."""
         self._process(logits, reqs, out_index, prior)
-        best = logits.argmax(dim=1)
+        best = argmax(logits)
         if all(r.params.greedy for r in reqs):
             return best, None
         prm = self._draw_params(reqs, out_index, DRAFT_STREAM)
@@ -213,7 +213,7 @@ class DeviceSampler:
         # Logprobs of the biased, penalised, banned logits before temperature (as the host sampler).
         lps = self._logprobs(logits, want_lp, reqs) if want_lp else None
         if all(p.greedy for p in params):
-            tokens = logits.argmax(dim=1)
+            tokens = argmax(logits)
         else:
             tokens = self._draw(logits, reqs, out_index)
         return tokens, lps, pen

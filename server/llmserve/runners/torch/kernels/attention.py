@@ -48,11 +48,14 @@ from dataclasses import dataclass
 import torch
 
 from . import next_pow2, use_triton
+from .pdl import pdl_on
 from .rotary import QUANT_MAX
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch_next, pdl_wait
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -156,7 +159,10 @@ if triton is not None:
         BLOCK_SIZE: tl.constexpr,
         SPLIT: tl.constexpr,
         QUANT: tl.constexpr,  # an int8/fp8 cache, with scales
+        PDL: tl.constexpr,  # launched with PDL (pdl.py)
     ):
+        pdl_wait(PDL)
+        pdl_launch_next(PDL)
         item = tl.program_id(0)
         kvh = tl.program_id(1)
         split = tl.program_id(2)
@@ -270,7 +276,10 @@ if triton is not None:
         HEAD_DIM: tl.constexpr,
         D_PAD: tl.constexpr,
         S_PAD: tl.constexpr,
+        PDL: tl.constexpr,
     ):
+        pdl_wait(PDL)
+        pdl_launch_next(PDL)
         t = tl.program_id(0).to(tl.int64)
         h = tl.program_id(1)
         s = tl.arange(0, S_PAD)
@@ -356,6 +365,7 @@ def paged_attention(
         pl = torch.empty(S, T, H, dtype=torch.float32, device=q.device)
     else:
         po, pl = out, out  # unused
+    pdl = pdl_on(q)
     launches = [(meta.item_seq, meta.item_qstart, meta.block_t)]
     if meta.dec_item_seq is not None and meta.dec_item_seq.shape[0] > 0:
         launches.append((meta.dec_item_seq, meta.dec_item_qstart, meta.dec_block_t))
@@ -376,7 +386,8 @@ def paged_attention(
             po.stride(0) if split else 0, po.stride(1) if split else 0,
             pl.stride(0) if split else 0, pl.stride(1) if split else 0,
             GROUP=group, GROUP_PAD=gp, BLOCK_T=block_t, BLOCK_N=tile.block_n, HEAD_DIM=D, D_PAD=d_pad,
-            BLOCK_SIZE=bs, SPLIT=split, QUANT=quant, num_warps=tile.num_warps, num_stages=tile.num_stages,
+            BLOCK_SIZE=bs, SPLIT=split, QUANT=quant, PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages,
+            launch_pdl=pdl,
         )  # fmt: skip
     if split:
         _merge_kernel[(T, H)](
@@ -394,6 +405,8 @@ def paged_attention(
             HEAD_DIM=D,
             D_PAD=d_pad,
             S_PAD=max(2, next_pow2(S)),
+            PDL=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )
     return out

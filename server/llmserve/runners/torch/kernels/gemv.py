@@ -39,6 +39,7 @@ from llmserve.config import Config
 
 from . import use_triton
 from .gemv4 import GEMV4_MAX_M, SCATTER, gemv4_launch
+from .pdl import pdl_on
 from .rotary import QUANT_MAX, saturation
 
 try:
@@ -47,6 +48,7 @@ try:
 
     from .gemv4 import _gemv4_kernel
     from .gemv_epilogue import gemv_finish, gemv_rows
+    from .pdl import pdl_launch_next, pdl_wait
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -71,6 +73,17 @@ if triton is not None:
         if EVEN_N and EVEN_K:
             return tl.load(ptrs)
         return tl.load(ptrs, mask=n_ok[:, None] & ((k + rk) < K)[None, :], other=0.0)
+
+    @triton.jit
+    def _tile_product(acc, w, x_ptr, s_row, k, rk, K, CONV: tl.constexpr, EVEN_K: tl.constexpr, SB: tl.constexpr):
+        """acc + the weight tile at column k times x's (block scales: x takes its K block's scale first)."""
+        if EVEN_K:
+            x = tl.load(x_ptr + k + rk).to(tl.float32)
+        else:
+            x = tl.load(x_ptr + k + rk, mask=(k + rk) < K, other=0.0).to(tl.float32)
+        if SB > 0:  # BLOCK_N divides SB: the program's rows lie in one row of blocks
+            x *= tl.load(s_row + (k + rk) // SB, mask=(k + rk) < K, other=0.0)
+        return acc + _to_f32(w, CONV) * x[None, :]
 
     @triton.jit
     def _gemv_kernel(
@@ -109,6 +122,7 @@ if triton is not None:
         HALF: tl.constexpr,  # EPI 3: half the head dim
         CACHE_BLOCK: tl.constexpr,
         LIMIT: tl.constexpr,
+        PDL: tl.constexpr,  # launched with PDL (pdl.py)
     ):
         pid = tl.program_id(0)
         rn, n_ok = gemv_rows(pid, N, BLOCK_N, EPI, HALF)
@@ -118,21 +132,21 @@ if triton is not None:
         if SB > 0:  # the scale row of the program's rows
             s_row += (pid * BLOCK_N // SB) * stride_sn
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        w_next = _load_tile(w_ptrs, 0, n_ok, rk, K, EVEN_N, EVEN_K)
-        for k in range(0, K, BLOCK_K):
-            if EVEN_K:
-                x = tl.load(x_ptr + k + rk).to(tl.float32)
-            else:
-                x = tl.load(x_ptr + k + rk, mask=(k + rk) < K, other=0.0).to(tl.float32)
-            if SB > 0:  # block scales: x takes its K block's scale (BLOCK_N divides SB: one row of blocks)
-                x *= tl.load(s_row + (k + rk) // SB, mask=(k + rk) < K, other=0.0)
-            if PREFETCH:  # the next tile's loads are in flight while this one is multiplied
-                w = w_next
+        w = _load_tile(w_ptrs, 0, n_ok, rk, K, EVEN_N, EVEN_K)  # weights: before the wait (pdl.py)
+        pdl_wait(PDL)
+        if PREFETCH:  # the next tile's loads are in flight while this one is multiplied
+            for k in range(0, K, BLOCK_K):
                 w_next = _load_tile(w_ptrs + BLOCK_K, k + BLOCK_K, n_ok, rk, K, EVEN_N, False)
-            else:
+                acc = _tile_product(acc, w, x_ptr, s_row, k, rk, K, CONV, EVEN_K, SB)
+                w = w_next
+                w_ptrs += BLOCK_K
+        else:
+            acc = _tile_product(acc, w, x_ptr, s_row, 0, rk, K, CONV, EVEN_K, SB)
+            for k in range(BLOCK_K, K, BLOCK_K):
+                w_ptrs += BLOCK_K
                 w = _load_tile(w_ptrs, k, n_ok, rk, K, EVEN_N, EVEN_K)
-            acc += _to_f32(w, CONV) * x[None, :]
-            w_ptrs += BLOCK_K
+                acc = _tile_product(acc, w, x_ptr, s_row, k, rk, K, CONV, EVEN_K, SB)
+        pdl_launch_next(PDL)
         y = tl.sum(acc, axis=1)
         if SB == 0:  # SB < 0: no scale (bf16 weights)
             y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
@@ -271,7 +285,7 @@ def gemv(
     epilogue = dict(EPI=epi, RANK=rank, WORLD=world, HALF=half, CACHE_BLOCK=cache_block, LIMIT=limit)
     grid = (triton.cdiv(count, per_program),)
     bias_arg = bias if bias is not None else weight
-    if w4:
+    if w4:  # (not launched with PDL: pdl.py)
         _gemv4_kernel[grid](
             x, weight, scale, bias_arg, out, n_out, K, weight.stride(0), scale.stride(0), x.stride(0),
             out.stride(0) if push is None else 0, bases, epochs, slot, *rope_args,
@@ -302,7 +316,9 @@ def gemv(
         BLOCK_K=block_k,
         PREFETCH=bool(prefetch),
         **epilogue,
+        PDL=(pdl := pdl_on(x)),
         num_warps=warps,
         num_stages=1,
+        launch_pdl=pdl,
     )
     return None if push is not None else out

@@ -11,10 +11,13 @@ from __future__ import annotations
 import torch
 
 from . import next_pow2, use_triton
+from .pdl import pdl_on
 
 try:
     import triton
     import triton.language as tl
+
+    from .pdl import pdl_launch_next, pdl_wait
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -22,8 +25,21 @@ if triton is not None:
 
     @triton.jit
     def _rms_norm_kernel(
-        x_ptr, res_ptr, w_ptr, out_ptr, stride_x, stride_r, stride_o, n, eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr
+        x_ptr,
+        res_ptr,
+        w_ptr,
+        out_ptr,
+        stride_x,
+        stride_r,
+        stride_o,
+        n,
+        eps,
+        HAS_RES: tl.constexpr,
+        BLOCK: tl.constexpr,
+        PDL: tl.constexpr,  # launched with PDL (pdl.py)
     ):
+        pdl_wait(PDL)
+        pdl_launch_next(PDL)
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         m = cols < n
@@ -68,6 +84,8 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
         eps,
         HAS_RES=residual is not None,
         BLOCK=block,
+        PDL=(pdl := pdl_on(x)),
         num_warps=min(16, max(1, block // 256)),
+        launch_pdl=pdl,
     )
     return out

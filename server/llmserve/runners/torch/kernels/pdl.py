@@ -1,0 +1,65 @@
+"""Programmatic dependent launch (PDL, sm_90+): a decode kernel starts while the one before it ends.
+
+A batch-1 decode step is a chain of ~290 small kernels, each waiting for the one before it: every launch pays
+the grid's start and its first loads' latency while the GPU's memory idles. Launched with PDL, a kernel's
+programs are scheduled once every program of the kernel before it has called `pdl_launch_next` (or ended), and
+each waits (`pdl_wait`: griddepcontrol.wait) until that kernel has finished and its writes are visible. Before
+its wait a program may only read what no kernel of the step writes: the 8/16-bit GEMV loads its first weight
+tile there.
+
+Where it runs (H100, 8B shape, batch-1 decode; docs/quantization.md, runs 127-131): the 8/16-bit GEMV, the
+RMSNorm, paged attention and its merge. The small kernels let the next one launch once they have waited, the
+GEMV after its main loop (faster than the other ways round: int8 3.43 ms a step against 3.46-3.53, without PDL
+3.59). Not with int4 weights (the runner turns it off): with the 4-bit GEMV launched with PDL the step was 2-11%
+slower, and with only the other kernels between 3% faster and 11% slower from one H100 to the next.
+
+Safety: every kernel launched with PDL waits before it reads an activation or writes anything, so no write
+races a reader of the kernel before, and each kernel ends after the one before it: a chain keeps stream order.
+Each calls `pdl_launch_next` only after its own wait, so the next kernel's early part overlaps one kernel, never
+two. A kernel launched without PDL (cuBLAS, torch's, the 4-bit GEMV) waits for everything before it as usual.
+Both instructions are no-ops in a kernel launched without the attribute. CUDA graphs keep the edges.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from llmserve.config import Config
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra.cuda import gdc_wait  # noqa: F401 - Triton with PDL (3.3+)
+except ImportError:  # pragma: no cover - no triton, or one without PDL
+    triton = None
+
+PDL_ON: bool = Config.read("pdl")  # read at import, as every kernel setting (the runner turns it off for int4)
+
+
+@functools.cache
+def _hopper(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
+def pdl_on(t: torch.Tensor) -> bool:
+    """Whether a launch on `t`'s device uses PDL: LLMSERVE_PDL on CUDA sm_90+ (not on the CPU or the interpreter)."""
+    return PDL_ON and triton is not None and t.is_cuda and _hopper(t.device.index or 0)
+
+
+if triton is not None:
+
+    @triton.jit
+    def pdl_wait(PDL: tl.constexpr):
+        """Wait for the kernel before to finish, its writes visible."""
+        if PDL:
+            tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+    @triton.jit
+    def pdl_launch_next(PDL: tl.constexpr):
+        """Let the next kernel launch (once every program has said so or ended)."""
+        if PDL:
+            tl.inline_asm_elementwise(
+                "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
+            )
