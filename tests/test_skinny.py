@@ -113,3 +113,64 @@ def test_gpu_layers_and_lm_head_take_it(fresh_seed):
         assert torch.equal(layer(x, torch.float32), S.skinny(x, w, bias, torch.float32)), M
     x = torch.randn(17, 512, generator=gen).to(torch.bfloat16).cuda()
     assert rel_err(layer(x, torch.float32), float64_product(x, w, bias)) < 1e-5  # cuBLAS
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_verification_chain_gives_the_same_bits(monkeypatch, fresh_seed):
+    """A layer's chain at 5 rows (a k = 4 verification step: norm, skinny qkv, rotary + cache, skinny o, norm, skinny
+    gate_up, SwiGLU, skinny down), its norms launched with PDL between kernels launched without it (kernels/pdl.py),
+    eagerly and in a CUDA graph, gives the bits of the chain without PDL."""
+    import numpy as np
+
+    from llmserve.runners.torch.kernels import pdl, rotary
+    from llmserve.runners.torch.kernels.activation import swiglu
+    from llmserve.runners.torch.kernels.norm import rms_norm
+    from llmserve.runners.torch.kernels.skinny import skinny
+
+    if torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    H, KVH, D, K, F, bs, f32, bf16 = 32, 8, 128, 4096, 4096, 64, torch.float32, torch.bfloat16
+    gen = torch.Generator().manual_seed(fresh_seed)
+
+    def rand(*shape):
+        return (torch.randn(*shape, generator=gen) * 0.02).to(bf16).cuda()
+
+    qkv, o, gate_up, down = rand((H + 2 * KVH) * D, K), rand(K, H * D), rand(2 * F, K), rand(K, F)
+    norms = [(1 + 0.1 * torch.randn(K, generator=gen)).to(bf16).cuda() for _ in range(2)]
+    cs = rotary.rope_cos_sin(1.0 / 500000 ** (np.arange(0, D, 2) / D), 4096, "cuda")
+    pos = torch.arange(1230, 1235, device="cuda")
+    slot = torch.tensor([700, 701, 702, -1, 777], device="cuda")
+    h0, res0 = torch.randn(5, K, generator=gen).cuda(), torch.randn(5, K, generator=gen).cuda()
+
+    def chain(h, residual, kc, vc):
+        for _ in range(3):
+            q = skinny(rms_norm(h, norms[0], 1e-5, residual), qkv, None, f32)
+            rotary.rope_and_cache(q, pos, slot, cs, kc, vc, H, KVH)
+            h = skinny(q[:, : H * D].to(bf16), o, None, f32)
+            a = swiglu(skinny(rms_norm(h, norms[1], 1e-5, residual), gate_up, None, f32), bf16)
+            h = skinny(a, down, None, f32)
+        return h
+
+    def state():
+        return h0.clone(), res0.clone(), *(torch.zeros(16, KVH, bs, D, device="cuda", dtype=torch.float16) for _ in range(2))  # fmt: skip
+
+    monkeypatch.setattr(pdl, "PDL_ON", False)
+    want = state()
+    want = (chain(*want), *want[1:])
+    monkeypatch.setattr(pdl, "PDL_ON", True)
+    s = state()
+    assert all(torch.equal(a, b) for a, b in zip((chain(*s), *s[1:]), want)), f"eager, seed {fresh_seed}"
+    s = state()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain(*state())
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(*s)
+    for _ in range(2):
+        s[0].copy_(h0), s[1].copy_(res0), s[2].zero_(), s[3].zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip((out, *s[1:]), want)), f"graph, seed {fresh_seed}"
