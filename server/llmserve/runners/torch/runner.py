@@ -88,9 +88,10 @@ class TorchRunner(ModelRunner):
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
         method = method_for(model_dir, config, self.device, self.dtype)
-        if isinstance(method, W4) and pdl.PDL_ON:  # its decode chain was slower with PDL, or no faster (pdl.py)
+        # PDL (kernels/pdl.py): int4's decode chain was slower with it or no faster; several ranks: not measured
+        if pdl.PDL_ON and (isinstance(method, W4) or tp.size > 1):
             pdl.PDL_ON = False
-            log.info("int4 weights: decode kernels launched without PDL")
+            log.info("decode kernels launched without PDL (%s)", "int4 weights" if tp.size == 1 else "MP_NUM > 1")
         self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1, method, tp)
         # Shapes below are this rank's (its heads, KV heads); vocabulary and layers are the model's.
         self.model_config = mc = self.model.local

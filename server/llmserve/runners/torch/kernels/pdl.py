@@ -11,7 +11,8 @@ Where it runs (H100, 8B shape, batch-1 decode; docs/quantization.md, runs 127-13
 RMSNorm, paged attention and its merge. The small kernels let the next one launch once they have waited, the
 GEMV after its main loop (faster than the other ways round: int8 3.43 ms a step against 3.46-3.53, without PDL
 3.59). Not with int4 weights (the runner turns it off): with the 4-bit GEMV launched with PDL the step was 2-11%
-slower, and with only the other kernels between 3% faster and 11% slower from one H100 to the next.
+slower, and with only the other kernels between 3% faster and 11% slower from one H100 to the next. Nor with
+several ranks (MP_NUM > 1; the runner turns it off): not measured there.
 
 Safety: every kernel launched with PDL waits before it reads an activation or writes anything, so no write
 races a reader of the kernel before, and each kernel ends after the one before it: a chain keeps stream order.
@@ -35,7 +36,7 @@ try:
 except ImportError:  # pragma: no cover - no triton, or one without PDL
     triton = None
 
-PDL_ON: bool = Config.read("pdl")  # read at import, as every kernel setting (the runner turns it off for int4)
+PDL_ON: bool = Config.read("pdl")  # read at import, as every kernel setting (the runner turns it off: above)
 
 
 @functools.cache
