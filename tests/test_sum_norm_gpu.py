@@ -3,7 +3,7 @@
 Each rank gets fresh random partials; the reference is the float64 sum of every rank's partial (gathered
 by NCCL), added to the residual, normalized in float64. Checked eagerly over rows of 1 to 64 (both
 halves of the buffer, the epochs of rows that skip calls) and replayed in a CUDA graph with new data,
-and every rank must get the same bits. Then batch-1 row-parallel GEMVs (bf16 and int8 weights) that push
+and every rank must get the same bits. Then batch-1 row-parallel GEMVs (bf16, int8 and int4 weights) that push
 their rows into the fused sum themselves (TensorParallel.row_parallel): the same bits as the GEMV's row
 read back by the sum kernel, eagerly and in a CUDA graph. Needs two CUDA devices (skipped otherwise; CI
 has none).
@@ -97,12 +97,16 @@ def _pushed(tp, w, gen, res_gen, check, out) -> None:
     from llmserve.runners.torch.kernels.sum_norm import Pushed
     from llmserve.runners.torch.linear import Linear
     from llmserve.runners.torch.quant import formats
-    from llmserve.runners.torch.quant.methods import W8, LinearMethod
+    from llmserve.runners.torch.quant.methods import W4, W8, LinearMethod
 
     K, f32 = 1024, torch.float32
     weight = (torch.randn(N, K, device="cuda", generator=gen) / 32).to(torch.bfloat16)
     qweight, scale = formats.quantize_w8(weight)
-    layers = [Linear(LinearMethod(torch.bfloat16), {"weight": weight}), Linear(W8(torch.bfloat16), {"qweight": qweight, "scale": scale})]  # fmt: skip
+    q4, s4, z4 = formats.quantize_w4(weight.float(), 128)
+    m4 = W4(torch.bfloat16)
+    w4 = m4.finish(Linear(m4, {"qweight": q4, "scales": s4, "zeros": z4}))
+    assert "g4_weight" in w4.w  # the 4-bit GEMV's operands: its push epilogue (kernels/gemv4.py)
+    layers = [Linear(LinearMethod(torch.bfloat16), {"weight": weight}), Linear(W8(torch.bfloat16), {"qweight": qweight, "scale": scale}), w4]  # fmt: skip
     for lin in layers * 2:
         x = torch.randn(1, K, device="cuda", generator=gen).to(torch.bfloat16)
         res0 = torch.randn(1, N, device="cuda", generator=res_gen)
@@ -121,6 +125,7 @@ def _pushed(tp, w, gen, res_gen, check, out) -> None:
     with torch.cuda.graph(g):
         a = tp.sum_norm(tp.row_parallel(layers[0], sx, f32), w, 1e-5, sres)
         b = tp.sum_norm(tp.row_parallel(layers[1], sx, f32), w, 1e-5, sres)
+        c = tp.sum_norm(tp.row_parallel(layers[2], sx, f32), w, 1e-5, sres)
     for _ in range(3):
         x = torch.randn(1, K, device="cuda", generator=gen).to(torch.bfloat16)
         res0 = torch.randn(1, N, device="cuda", generator=res_gen)
@@ -131,7 +136,9 @@ def _pushed(tp, w, gen, res_gen, check, out) -> None:
         want_res = res0.clone()
         want_a = tp.sum_norm(layers[0](x, f32), w, 1e-5, want_res)
         want_b = tp.sum_norm(layers[1](x, f32), w, 1e-5, want_res)
-        out["equal"].append(torch.equal(a, want_a) and torch.equal(b, want_b) and torch.equal(sres, want_res))
+        want_c = tp.sum_norm(layers[2](x, f32), w, 1e-5, want_res)
+        same = torch.equal(a, want_a) and torch.equal(b, want_b) and torch.equal(c, want_c)
+        out["equal"].append(same and torch.equal(sres, want_res))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
@@ -154,8 +161,8 @@ def test_fused_sum_norm_matches_the_float64_reference_on_two_gpus():
     for r in results:
         assert r["fused"], "the fused kernel failed its start-up check"
         assert all(r["same"]), "ranks got different bits"
-        assert len(r["pushed"]) == 4 and all(r["pushed"]), "a batch-1 GEMV did not push its row"
-        assert len(r["equal"]) == 7 and all(r["equal"]), "a pushed row summed to other bits than the row read back"
+        assert len(r["pushed"]) == 6 and all(r["pushed"]), "a batch-1 GEMV did not push its row"
+        assert len(r["equal"]) == 9 and all(r["equal"]), "a pushed row summed to other bits than the row read back"
         for res_err, y_err, scale in r["errors"]:
             assert res_err < 1e-4  # fp32 sums of O(1) values
             assert y_err < 2e-2 * max(1.0, scale)  # bf16 output
