@@ -11,6 +11,7 @@ import textwrap
 import pytest
 import torch
 import triton_interpreter
+from pdl_chain import assert_same_bits_with_pdl
 
 from llmserve.runners.torch.kernels import HAS_TRITON
 from llmserve.runners.torch.kernels.gemv import gemv_ref
@@ -257,7 +258,7 @@ def test_gpu_pdl_chain_gives_the_same_bits(fmt, monkeypatch, fresh_seed):
     (kernels/pdl.py), eagerly and in a CUDA graph, gives the bits of the chain launched without it."""
     import numpy as np
 
-    from llmserve.runners.torch.kernels import pdl, rotary
+    from llmserve.runners.torch.kernels import rotary
     from llmserve.runners.torch.kernels.gemv import RopeCache, gemv
     from llmserve.runners.torch.kernels.norm import rms_norm
 
@@ -285,24 +286,4 @@ def test_gpu_pdl_chain_gives_the_same_bits(fmt, monkeypatch, fresh_seed):
     def state():
         return h0.clone(), res0.clone(), torch.zeros(16, KVH, bs, D, device="cuda", dtype=torch.float16), torch.zeros(16, KVH, bs, D, device="cuda", dtype=torch.float16)  # fmt: skip
 
-    monkeypatch.setattr(pdl, "PDL_ON", False)
-    want = state()
-    want = (chain(*want), *want[1:])
-    monkeypatch.setattr(pdl, "PDL_ON", True)
-    s = state()
-    got = (chain(*s), *s[1:])
-    assert all(torch.equal(a, b) for a, b in zip(got, want)), f"eager, seed {fresh_seed}"
-    s = state()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain(*state())  # compiled, warmed up
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain(*s)
-    for _ in range(2):  # replayed from the same start: the same bits each time
-        s[0].copy_(h0), s[1].copy_(res0), s[2].zero_(), s[3].zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip((out, *s[1:]), want)), f"graph, seed {fresh_seed}"
+    assert_same_bits_with_pdl(monkeypatch, chain, state, f"seed {fresh_seed}")

@@ -9,8 +9,8 @@ tile there.
 
 Where it runs (H100, 8B shape, batch-1 decode; docs/quantization.md, runs 127-131): the 8/16-bit GEMV, the
 RMSNorm, paged attention and its merge. The small kernels let the next one launch once they have waited, the
-GEMV after its main loop (faster than the other ways round: int8 3.43 ms a step against 3.46-3.53, without PDL
-3.59). Not with int4 weights (the runner turns it off): with the 4-bit GEMV launched with PDL the step was 2-11%
+GEMV after its main loop (int8 3.43 ms a step, 3.59 without PDL, run 130; every kernel signalling after its wait,
+or every one at its end, gained less in runs 127-129). Not with int4 weights (the runner turns it off): with the 4-bit GEMV launched with PDL the step was 2-11%
 slower, and with only the other kernels between 3% faster and 11% slower from one H100 to the next. Nor with
 several ranks (MP_NUM > 1; the runner turns it off): not measured there.
 
@@ -32,7 +32,7 @@ from llmserve.config import Config
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_wait  # noqa: F401 - Triton with PDL (3.3+)
+    from triton.language.extra.cuda import gdc_wait  # noqa: F401 - a Triton that knows PDL (launch_pdl)
 except ImportError:  # pragma: no cover - no triton, or one without PDL
     triton = None
 

@@ -128,12 +128,13 @@ if triton is not None:
 
 
 ARGMAX_BLOCK = 1024
-ARGMAX_PARTS = 64  # a row's chunks, one program each: one program per row reads a 128K vocabulary in ~40 us
+ARGMAX_PARTS = 64  # a row's chunks, one program each
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:
     """logits [N, V] -> [N] int64: torch.argmax(dim=1)'s indices (the first of equal maxima; a NaN wins), each row
-    split over up to ARGMAX_PARTS programs, then joined (two small launches; torch's took 38 us for one 128K row)."""
+    split over up to ARGMAX_PARTS programs, then joined: 2.0 + 1.3 us for one 128K row on an H100, where torch's
+    took 38.5 (run 130)."""
     if not use_triton(logits):
         return logits.argmax(dim=1)
     rows, vocab = logits.shape
