@@ -9,7 +9,7 @@ Grid: (work item, KV head, split). A work item is BLOCK_T query tokens of one
 chunk; its tile holds those tokens times the GROUP query heads that share the
 KV head, so each K/V tile is read once for the whole group (GQA). Decode-only
 batches with few sequences split each context over `num_splits` programs
-(split-KV) and merge the partial results by their log-sum-exp, so a batch of
+(split-KV) and merge the partial results by their log-sum-exp (attention_merge.py), so a batch of
 one still spreads over the GPU.
 
 Precision: q arrives in fp32 (the model keeps it unrounded) and is rounded
@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 
 from . import next_pow2, use_triton
+from .attention_merge import merge_splits
 from .pdl import pdl_on
 from .rotary import QUANT_MAX
 
@@ -260,45 +261,6 @@ if triton is not None:
             o = out_ptr + tok64[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
             tl.store(o, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
-    @triton.jit(do_not_specialize=["num_splits", "stride_pt", "stride_lt"])
-    def _merge_kernel(
-        po_ptr,
-        pl_ptr,
-        out_ptr,
-        num_heads,
-        num_splits,
-        stride_ps,
-        stride_pt,
-        stride_ls,
-        stride_lt,
-        stride_ot,
-        stride_oh,
-        HEAD_DIM: tl.constexpr,
-        D_PAD: tl.constexpr,
-        S_PAD: tl.constexpr,
-        PDL: tl.constexpr,
-    ):
-        pdl_wait(PDL)
-        pdl_launch_next(PDL)
-        t = tl.program_id(0).to(tl.int64)
-        h = tl.program_id(1)
-        s = tl.arange(0, S_PAD)
-        s_ok = s < num_splits
-        lse = tl.load(pl_ptr + s * stride_ls + t * stride_lt + h, mask=s_ok, other=float("-inf"))
-        mx = tl.max(lse, axis=0)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)
-        w = tl.exp2(lse - mx)
-        w = w / tl.maximum(tl.sum(w, axis=0), 1e-30)
-        d = tl.arange(0, D_PAD)
-        d_ok = d < HEAD_DIM
-        po = tl.load(
-            po_ptr + s[:, None] * stride_ps + t * stride_pt + h * HEAD_DIM + d[None, :],
-            mask=s_ok[:, None] & d_ok[None, :],
-            other=0.0,
-        )
-        o = tl.sum(po * w[:, None], axis=0)
-        tl.store(out_ptr + t * stride_ot + h * stride_oh + d, o.to(out_ptr.dtype.element_ty), mask=d_ok)
-
 
 def paged_attention_ref(
     q, k_cache, v_cache, meta: AttnMeta, scale: float, out_dtype=None, k_scale=None, v_scale=None
@@ -390,23 +352,5 @@ def paged_attention(
             launch_pdl=pdl,
         )  # fmt: skip
     if split:
-        _merge_kernel[(T, H)](
-            po,
-            pl,
-            out,
-            H,
-            S,
-            po.stride(0),
-            po.stride(1),
-            pl.stride(0),
-            pl.stride(1),
-            out.stride(0),
-            out.stride(1),
-            HEAD_DIM=D,
-            D_PAD=d_pad,
-            S_PAD=max(2, next_pow2(S)),
-            PDL=pdl,
-            num_warps=4,
-            launch_pdl=pdl,
-        )
+        merge_splits(po, pl, out, pdl)
     return out
