@@ -49,7 +49,7 @@ import torch
 
 from . import next_pow2, use_triton
 from .attention_merge import merge_splits
-from .pdl import pdl_on
+from .pdl import launch_args, pdl_on
 from .rotary import QUANT_MAX
 
 try:
@@ -349,7 +349,7 @@ def paged_attention(
             pl.stride(0) if split else 0, pl.stride(1) if split else 0,
             GROUP=group, GROUP_PAD=gp, BLOCK_T=block_t, BLOCK_N=tile.block_n, HEAD_DIM=D, D_PAD=d_pad,
             BLOCK_SIZE=bs, SPLIT=split, QUANT=quant, PDL=pdl, num_warps=tile.num_warps, num_stages=tile.num_stages,
-            launch_pdl=pdl,
+            **launch_args(pdl),
         )  # fmt: skip
     if split:
         merge_splits(po, pl, out, pdl)

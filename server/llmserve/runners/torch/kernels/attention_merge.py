@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from . import next_pow2
+from .pdl import launch_args
 
 try:
     import triton
@@ -78,5 +79,5 @@ def merge_splits(po: torch.Tensor, pl: torch.Tensor, out: torch.Tensor, pdl: boo
         S_PAD=max(2, next_pow2(S)),
         PDL=pdl,
         num_warps=4,
-        launch_pdl=pdl,
+        **launch_args(pdl),
     )

@@ -39,7 +39,7 @@ from llmserve.config import Config
 
 from . import use_triton
 from .gemv4 import GEMV4_MAX_M, SCATTER, gemv4_launch
-from .pdl import pdl_on
+from .pdl import launch_args, pdl_on
 from .rotary import QUANT_MAX, saturation
 
 try:
@@ -319,6 +319,6 @@ def gemv(
         PDL=(pdl := pdl_on(x)),
         num_warps=warps,
         num_stages=1,
-        launch_pdl=pdl,
+        **launch_args(pdl),
     )
     return None if push is not None else out

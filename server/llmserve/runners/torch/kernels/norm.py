@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import next_pow2, use_triton
-from .pdl import pdl_on
+from .pdl import launch_args, pdl_on
 
 try:
     import triton
@@ -86,6 +86,6 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float, residual: torch.Tenso
         BLOCK=block,
         PDL=(pdl := pdl_on(x)),
         num_warps=min(16, max(1, block // 256)),
-        launch_pdl=pdl,
+        **launch_args(pdl),
     )
     return out

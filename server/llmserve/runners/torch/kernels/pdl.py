@@ -32,9 +32,14 @@ from llmserve.config import Config
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_wait  # noqa: F401 - a Triton that knows PDL (launch_pdl)
-except ImportError:  # pragma: no cover - no triton, or one without PDL
+except ImportError:  # pragma: no cover - the CPU wheel of torch ships without triton
     triton = None
+try:  # a Triton that launches with PDL (`launch_pdl`) has these
+    from triton.language.extra.cuda import gdc_wait  # noqa: F401
+
+    HAS_PDL = True
+except ImportError:  # pragma: no cover - depends on the Triton
+    HAS_PDL = False
 
 PDL_ON: bool = Config.read("pdl")  # read at import, as every kernel setting (the runner turns it off: above)
 
@@ -46,7 +51,12 @@ def _hopper(index: int) -> bool:
 
 def pdl_on(t: torch.Tensor) -> bool:
     """Whether a launch on `t`'s device uses PDL: LLMSERVE_PDL on CUDA sm_90+ (not on the CPU or the interpreter)."""
-    return PDL_ON and triton is not None and t.is_cuda and _hopper(t.device.index or 0)
+    return PDL_ON and HAS_PDL and t.is_cuda and _hopper(t.device.index or 0)
+
+
+def launch_args(on: bool) -> dict:
+    """The launch's keyword for PDL: none when off (a Triton without PDL does not know `launch_pdl`)."""
+    return {"launch_pdl": True} if on else {}
 
 
 if triton is not None:
