@@ -46,6 +46,34 @@ INTERP_SCRIPT = textwrap.dedent(
             tol = 1e-5 if out == torch.float32 else 2**-7
             assert y.shape == (M, N) and y.dtype == out, (M, N, K)
             assert rel_err(y, float64_product(x, w, b)) < tol, (M, N, K, out)
+    # gate | up rows with the SwiGLU in the epilogue, and qkv rows with the rotary embedding and each row's cache
+    # write in it: the bits of the product, then the separate kernels' arithmetic (kernels/gemv.py's epilogues)
+    for M, N, K, config in [(5, 96, 256, (16, 64, 4, 2)), (3, 70, 100, (32, 32, 4, 1))]:
+        w = torch.randn(N, K, generator=gen).to(dt)
+        x = torch.randn(M, K, generator=gen).to(dt)
+        g, u = S.skinny(x, w, None, torch.float32, config=config).chunk(2, dim=-1)
+        got = S.skinny(x, w, None, dt, config=config, glu=True)
+        g, u = g.double(), u.double()
+        assert got.shape == (M, N // 2) and rel_err(got, g * torch.sigmoid(g) * u) < 2**-10, (M, N, K)
+    import numpy as np
+    from llmserve.runners.torch.kernels import rotary
+    from llmserve.runners.torch.kernels.gemv import RopeCache
+    H, KVH, D, bs, K = 4, 2, 16, 8, 64
+    cs = rotary.rope_cos_sin(1.0 / 10000 ** (np.arange(0, D, 2) / D), 64, "cpu")
+    w = torch.randn((H + 2 * KVH) * D, K, generator=gen).to(dt)
+    for M, config in [(5, (16, 32, 4, 2)), (2, (32, 64, 4, 1))]:
+        x = torch.randn(M, K, generator=gen).to(dt)
+        pos = torch.randint(0, 64, (M,), generator=gen)
+        slots = torch.randperm(32, generator=gen)[:M]
+        slots[M // 2] = -1  # a padding row: no cache write
+        caches = [torch.zeros(4, KVH, bs, D, dtype=dt) for _ in range(4)]
+        got = S.skinny(x, w, None, torch.float32, config=config, rope=RopeCache(pos, slots, cs, caches[0], caches[1], H, KVH))
+        want = S.skinny(x, w, None, torch.float32, config=config)
+        rotary.rope_and_cache_ref(want, pos, slots, cs, caches[2], caches[3], H, KVH)
+        assert rel_err(got, want.double()) < 1e-6, M
+        for a, b in zip(caches[:2], caches[2:]):
+            assert torch.allclose(a.float(), b.float(), rtol=2e-3, atol=1e-3), M
+            assert (a != 0).any(dim=(1, 3)).sum() == M - 1, M  # one slot written per row but the padding one
     print("ok", len(cases))
     """
 )
@@ -117,14 +145,49 @@ def test_gpu_layers_and_lm_head_take_it(fresh_seed):
 
 
 @pytest.mark.gpu
-def test_gpu_pdl_verification_chain_gives_the_same_bits(monkeypatch, fresh_seed):
-    """A layer's chain at 5 rows (a k = 4 verification step: norm, skinny qkv, rotary + cache, skinny o, norm, skinny
-    gate_up, SwiGLU, skinny down), its norms launched with PDL between kernels launched without it (kernels/pdl.py),
-    eagerly and in a CUDA graph, gives the bits of the chain without PDL."""
+@pytest.mark.parametrize("M", [2, 5, 16])
+@pytest.mark.parametrize("H,KVH", [(32, 8), (8, 1)])
+def test_gpu_epilogues_give_the_separate_kernels_bits(M, H, KVH, fresh_seed):
+    """gate_up's SwiGLU and qkv's rotary + cache write in the product's epilogue (the verification step's layers)
+    give the bits of the product followed by kernels/activation.py's and rotary.py's kernels, each row a token at
+    its own position and slot (one of them padding)."""
     import numpy as np
 
     from llmserve.runners.torch.kernels import rotary
     from llmserve.runners.torch.kernels.activation import swiglu
+    from llmserve.runners.torch.kernels.gemv import RopeCache
+    from llmserve.runners.torch.kernels.skinny import skinny
+
+    D, K, F, bs, f32, bf16 = 128, 4096, 14336, 64, torch.float32, torch.bfloat16
+    gen = torch.Generator().manual_seed(fresh_seed)
+    x = torch.randn(M, K, generator=gen).to(bf16).cuda()
+    gate_up = (torch.randn(2 * F, K, generator=gen) * 0.02).to(bf16).cuda()
+    want = swiglu(skinny(x, gate_up, None, f32), bf16)
+    assert torch.equal(skinny(x, gate_up, None, bf16, glu=True), want), f"seed {fresh_seed}"
+    qkv = (torch.randn((H + 2 * KVH) * D, K, generator=gen) * 0.02).to(bf16).cuda()
+    cs = rotary.rope_cos_sin(1.0 / 500000 ** (np.arange(0, D, 2) / D), 4096, "cuda")
+    pos = torch.randint(0, 4096, (M,), generator=gen).cuda()
+    slot = torch.randperm(16 * bs, generator=gen)[:M].cuda()
+    slot[M // 2] = -1
+    caches = [torch.randn(16, KVH, bs, D, generator=gen).half().cuda() for _ in range(2)]
+    mine = [c.clone() for c in caches]
+    got = skinny(x, qkv, None, f32, rope=RopeCache(pos, slot, cs, mine[0], mine[1], H, KVH))
+    want = skinny(x, qkv, None, f32)
+    rotary.rope_and_cache(want, pos, slot, cs, caches[0], caches[1], H, KVH)
+    assert torch.equal(got, want), f"seed {fresh_seed}"
+    assert torch.equal(mine[0], caches[0]) and torch.equal(mine[1], caches[1]), f"seed {fresh_seed}"
+
+
+@pytest.mark.gpu
+def test_gpu_pdl_verification_chain_gives_the_same_bits(monkeypatch, fresh_seed):
+    """A layer's chain at 5 rows (a k = 4 verification step: norm, skinny qkv with rotary + cache, q's cast in
+    attention's place (torch's, launched without PDL), skinny o, norm, skinny gate_up with SwiGLU, skinny down), its
+    kernels launched with PDL (kernels/pdl.py), eagerly and in a CUDA graph, gives the bits of the chain without
+    PDL."""
+    import numpy as np
+
+    from llmserve.runners.torch.kernels import rotary
+    from llmserve.runners.torch.kernels.gemv import RopeCache
     from llmserve.runners.torch.kernels.norm import rms_norm
     from llmserve.runners.torch.kernels.skinny import skinny
 
@@ -145,11 +208,10 @@ def test_gpu_pdl_verification_chain_gives_the_same_bits(monkeypatch, fresh_seed)
 
     def chain(h, residual, kc, vc):
         for _ in range(3):
-            q = skinny(rms_norm(h, norms[0], 1e-5, residual), qkv, None, f32)
-            rotary.rope_and_cache(q, pos, slot, cs, kc, vc, H, KVH)
+            rc = RopeCache(pos, slot, cs, kc, vc, H, KVH)
+            q = skinny(rms_norm(h, norms[0], 1e-5, residual), qkv, None, f32, rope=rc)
             h = skinny(q[:, : H * D].to(bf16), o, None, f32)
-            a = swiglu(skinny(rms_norm(h, norms[1], 1e-5, residual), gate_up, None, f32), bf16)
-            h = skinny(a, down, None, f32)
+            h = skinny(skinny(rms_norm(h, norms[1], 1e-5, residual), gate_up, None, bf16, glu=True), down, None, f32)
         return h
 
     def state():

@@ -50,6 +50,13 @@ class Linear:
             return None
         return self.method.gemv_operands(self.w, x, out_dtype)
 
+    def skinny_operands(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+        """The weight when `self(x, out_dtype)` is one kernels/skinny.py product as it stands (2-16 rows; no bias,
+        permutation or parts), else None: for a caller that runs it with an epilogue (model.py)."""
+        if self.parts is not None or self.perm is not None or self.bias is not None:
+            return None
+        return self.method.skinny_operands(self.w, x, out_dtype)
+
     @property
     def nbytes(self) -> int:
         """Bytes a batch-1 step reads (the decode floor's): where a method keeps a second layout for

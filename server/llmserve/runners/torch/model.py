@@ -27,6 +27,7 @@ from .kernels.attention import AttnMeta, paged_attention
 from .kernels.gemv import GEMV_FUSE, RopeCache, gemv
 from .kernels.norm import rms_norm
 from .kernels.rotary import rope_and_cache, rope_cos_sin
+from .kernels.skinny import skinny
 from .kv_cache import KVCache, LayerKV
 from .linear import Linear
 from .parallel import SINGLE, Shard, TensorParallel, embed
@@ -211,23 +212,30 @@ class DecoderModel:
         self, qkv: Linear, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, kv: LayerKV
     ) -> torch.Tensor:
         """The qkv projection of the normed `x` with q rotated, and k rotated and v written into the layer's
-        cache: at batch 1 over an unquantized cache in the qkv GEMV itself (kernels/gemv.py, `rope`: the same
-        bits, one kernel fewer a layer), else the product, then kernels/rotary.py."""
+        cache: over an unquantized cache in the qkv product itself at 1-16 rows of unquantized weights (kernels/gemv.py
+        at one row, skinny.py at 2-16, `rope`: the same bits, one kernel fewer a layer), else the product, then
+        kernels/rotary.py."""
         k, v, k_scale, v_scale = kv
-        ops = qkv.gemv_operands(x, self.out_dtype) if self.wide and GEMV_FUSE and k_scale is None else None
-        if ops is not None and not ops[2]:
+        if self.wide and GEMV_FUSE and k_scale is None:
             rc = RopeCache(positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads)
-            return gemv(x, ops[0], ops[1], 0, None, self.out_dtype, rope=rc)
+            if (ops := qkv.gemv_operands(x, self.out_dtype)) is not None and not ops[2]:
+                return gemv(x, ops[0], ops[1], 0, None, self.out_dtype, rope=rc)
+            if (w := qkv.skinny_operands(x, self.out_dtype)) is not None:
+                return skinny(x, w, None, self.out_dtype, rope=rc)
         out = qkv(x, self.out_dtype)
         rope_and_cache(out, positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads, k_scale, v_scale)  # fmt: skip
         return out
 
     def gate_up_swiglu(self, gate_up: Linear, x: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the normed `x`, in the model's dtype: at batch 1 in the gate_up GEMV itself
-        (kernels/gemv.py, `glu`: the same bits, one kernel fewer a layer), else the product, then SwiGLU."""
-        ops = gate_up.gemv_operands(x, self.out_dtype) if self.wide and GEMV_FUSE else None
-        if ops is not None and not ops[2]:  # (not FP8's 128-row blocks: a program's gate and up rows span two)
-            return gemv(x, ops[0], ops[1], 0, None, self.dtype, glu=True)
+        """silu(gate) * up of the normed `x`, in the model's dtype: in the gate_up product itself at batch 1 and at
+        2-16 rows of unquantized weights (kernels/gemv.py, skinny.py, `glu`: the same bits, one kernel fewer a
+        layer), else the product, then SwiGLU."""
+        if self.wide and GEMV_FUSE:
+            ops = gate_up.gemv_operands(x, self.out_dtype)
+            if ops is not None and not ops[2]:  # (not FP8's 128-row blocks: a program's gate and up rows span two)
+                return gemv(x, ops[0], ops[1], 0, None, self.dtype, glu=True)
+            if (w := gate_up.skinny_operands(x, self.out_dtype)) is not None:
+                return skinny(x, w, None, self.dtype, glu=True)
         return swiglu(gate_up(x, self.out_dtype), self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -216,6 +216,19 @@ class RopeCache:
     num_kv_heads: int
 
 
+def rope_operands(rope: RopeCache, N: int) -> tuple[tuple, int, int, float]:
+    """(the kernel's rope operands, HALF, CACHE_BLOCK, LIMIT) of `rope` for a qkv product of N rows (the GEMVs',
+    kernels/skinny.py's)."""
+    kc = rope.k_cache
+    half = kc.shape[-1] // 2
+    if kc.dtype in QUANT_MAX or not (kc.is_contiguous() and rope.v_cache.is_contiguous()):
+        raise ValueError("rope writes a contiguous fp16/bf16/fp32 cache (a quantized one: rope_and_cache)")
+    if N != (rope.num_heads + 2 * rope.num_kv_heads) * 2 * half:
+        raise ValueError(f"{N} rows are not the qkv of {rope.num_heads} + 2 x {rope.num_kv_heads} heads")
+    args = (rope.positions, rope.slot_mapping, rope.cos_sin, kc, rope.v_cache, kc.stride(0), kc.stride(1))
+    return args + (rope.num_heads, rope.num_kv_heads), half, kc.shape[2], saturation(kc.dtype)
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -270,16 +283,7 @@ def gemv(
     n_out = N // 2 if glu else N
     out = weight if push is not None else torch.empty(rows, n_out, dtype=out_dtype or x.dtype, device=x.device)
     bases, epochs, rank, world, slot = push or (weight, weight, 0, 1, 0)
-    half, cache_block, limit, rope_args = 1, 1, 0.0, (weight,) * 5 + (0, 0, 0, 0)
-    if rope is not None:
-        kc = rope.k_cache
-        half, cache_block, limit = kc.shape[-1] // 2, kc.shape[2], saturation(kc.dtype)
-        if kc.dtype in QUANT_MAX or not (kc.is_contiguous() and rope.v_cache.is_contiguous()):
-            raise ValueError("gemv: rope writes a contiguous fp16/bf16/fp32 cache (a quantized one: rope_and_cache)")
-        if N != (rope.num_heads + 2 * rope.num_kv_heads) * 2 * half:
-            raise ValueError(f"gemv: {N} rows are not the qkv of {rope.num_heads} + 2 x {rope.num_kv_heads} heads")
-        rope_args = (rope.positions, rope.slot_mapping, rope.cos_sin, kc, rope.v_cache, kc.stride(0), kc.stride(1))
-        rope_args += (rope.num_heads, rope.num_kv_heads)
+    rope_args, half, cache_block, limit = rope_operands(rope, N) if rope is not None else ((weight,) * 5 + (0,) * 4, 1, 1, 0.0)  # fmt: skip
     per_program = block_n // 2 if epi > 1 else block_n  # outputs (glu), pairs (rope) or rows a program
     count = N // 2 if epi > 1 else N
     epilogue = dict(EPI=epi, RANK=rank, WORLD=world, HALF=half, CACHE_BLOCK=cache_block, LIMIT=limit)

@@ -72,8 +72,9 @@ if triton is not None:
         elif EPI == 3:  # kernels/rotary.py's rotation and cache write, for the program's pairs
             x1, x2 = tl.split(tl.reshape(y, (BLOCK_N // 2, 2)))
             r1 = tl.split(tl.reshape(rn, (BLOCK_N // 2, 2)))[0]
+            pos, slot = tl.load(pos_ptr).to(tl.int64), tl.load(slot_ptr).to(tl.int64)
             rope_pairs(
-                x1, x2, r1, r1 < N, out_ptr, pos_ptr, slot_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, stride_cb,
+                x1, x2, r1, r1 < N, out_ptr, pos, slot, cs_ptr, k_cache_ptr, v_cache_ptr, stride_cb,
                 stride_ch, num_heads, num_kv_heads, HALF, CACHE_BLOCK, LIMIT,
             )  # fmt: skip
         else:

@@ -8,7 +8,9 @@ its wait a program may only read what no kernel of the step writes: the 8/16-bit
 tile there.
 
 Where it runs (H100, 8B shape, batch-1 decode; docs/quantization.md, runs 127-131): the 8/16-bit GEMV, the
-RMSNorm, paged attention and its merge. The small kernels let the next one launch once they have waited, the
+RMSNorm, paged attention and its merge; and the skinny products of a verification step (kernels/skinny.py), which
+ask L2 for their first weight tiles before the wait, as their loads are copies the compiler pipelines
+(docs/speculative.md, runs 138-140). The small kernels let the next one launch once they have waited, the
 GEMV after its main loop (int8 3.43 ms a step, 3.59 without PDL, run 130; every kernel signalling after its wait,
 or every one at its end, gained less in runs 127-129). Not with int4 weights (the runner turns it off): with the 4-bit GEMV launched with PDL the step was 2-11%
 slower, and with only the other kernels between 3% faster and 11% slower from one H100 to the next. Nor with
@@ -74,3 +76,11 @@ if triton is not None:
             tl.inline_asm_elementwise(
                 "griddepcontrol.launch_dependents; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1
             )
+
+    @triton.jit
+    def l2_prefetch(ptrs):
+        """Ask L2 for the 128-byte line of each pointer (no registers, no wait): before `pdl_wait`, for a kernel whose
+        first loads are copies the compiler pipelines (kernels/skinny.py)."""
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32, is_pure=False, pack=1
+        )

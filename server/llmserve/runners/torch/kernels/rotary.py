@@ -203,16 +203,17 @@ if triton is not None:
 
     @triton.jit
     def rope_pairs(
-        x1, x2, r1, ok, qkv_ptr, pos_ptr, slot_ptr, cs_ptr, k_cache_ptr, v_cache_ptr, stride_cb, stride_ch,
-        num_heads, num_kv_heads, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIMIT: tl.constexpr,
+        x1, x2, r1, ok, qkv_ptr, pos, slot, cs_ptr, k_cache_ptr, v_cache_ptr, stride_cb, stride_ch, num_heads,
+        num_kv_heads, HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, LIMIT: tl.constexpr,
     ):  # fmt: skip
-        """`_rope_cache_kernel` (an unquantized cache) for some (j, j + HALF) pairs of one token's fp32 qkv
-        row: values x1, x2 of rows r1 = head * 2 * HALF + j and r1 + HALF. Writes the row into `qkv_ptr` as
-        that kernel leaves it (q rotated; k, v as they are) and k rotated and v into the caches, with the
-        same arithmetic (kernels/gemv.py's rope epilogue)."""
+        """`_rope_cache_kernel` (an unquantized cache) for some (j, j + HALF) pairs of fp32 qkv rows: values x1,
+        x2 of rows r1 = head * 2 * HALF + j and r1 + HALF, of the token(s) at `pos` (int64) whose cache slot is
+        `slot` (int64; < 0: none) and whose row starts at `qkv_ptr`. One token (the GEMVs, gemv_epilogue.py):
+        scalars and [P] vectors; several (kernels/skinny.py): [1, M] tokens by [P, 1] rows. Writes the row into
+        `qkv_ptr` as that kernel leaves it (q rotated; k, v as they are) and k rotated and v into the caches, with
+        the same arithmetic."""
         head = r1 // (2 * HALF)
         j = r1 % (2 * HALF)
-        pos = tl.load(pos_ptr).to(tl.int64)
         cos = tl.load(cs_ptr + pos * 2 * HALF + 2 * j, mask=ok, other=0.0)
         sin = tl.load(cs_ptr + pos * 2 * HALF + 2 * j + 1, mask=ok, other=0.0)
         rot1, rot2 = _rot(x1, x2, cos, sin)
@@ -222,16 +223,15 @@ if triton is not None:
         ty = qkv_ptr.dtype.element_ty
         tl.store(qkv_ptr + r1, tl.where(is_q, rot1, x1).to(ty), mask=ok)
         tl.store(qkv_ptr + r1 + HALF, tl.where(is_q, rot2, x2).to(ty), mask=ok)
-        slot = tl.load(slot_ptr).to(tl.int64)
-        if slot >= 0:
-            kh = tl.where(is_v, head - num_heads - num_kv_heads, head - num_heads).to(tl.int64)
-            dst = (slot // BLOCK_SIZE) * stride_cb + kh * stride_ch + (slot % BLOCK_SIZE) * 2 * HALF + j
-            is_k = ok & (head >= num_heads) & ~is_v
-            cty = k_cache_ptr.dtype.element_ty
-            tl.store(k_cache_ptr + dst, rot1.to(cty), mask=is_k)
-            tl.store(k_cache_ptr + dst + HALF, rot2.to(cty), mask=is_k)
-            tl.store(v_cache_ptr + dst, _sat(x1, LIMIT).to(cty), mask=ok & is_v)
-            tl.store(v_cache_ptr + dst + HALF, _sat(x2, LIMIT).to(cty), mask=ok & is_v)
+        kh = tl.where(is_v, head - num_heads - num_kv_heads, head - num_heads).to(tl.int64)
+        dst = (slot // BLOCK_SIZE) * stride_cb + kh * stride_ch + (slot % BLOCK_SIZE) * 2 * HALF + j
+        cached = ok & (slot >= 0)
+        is_k = cached & (head >= num_heads) & ~is_v
+        cty = k_cache_ptr.dtype.element_ty
+        tl.store(k_cache_ptr + dst, rot1.to(cty), mask=is_k)
+        tl.store(k_cache_ptr + dst + HALF, rot2.to(cty), mask=is_k)
+        tl.store(v_cache_ptr + dst, _sat(x1, LIMIT).to(cty), mask=cached & is_v)
+        tl.store(v_cache_ptr + dst + HALF, _sat(x2, LIMIT).to(cty), mask=cached & is_v)
 
 
 def _rotate(x: torch.Tensor, cs: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,13 @@ each [BLOCK_N, BLOCK_K] weight tile by x's [BLOCK_K, BLOCK_M] (the rows padded t
 masked to zeros) with `tl.dot`, the weight tiles pipelined through shared memory (num_stages). No split-K:
 no atomics, no zeroed output and no second kernel; the result is written once, in the output dtype, and is
 the same run to run. x's few rows are re-read by every program, from L2.
+
+As the one-row GEMV's, its epilogue can also do what follows the product (gemv_epilogue.py's row pairs): gate_up's
+SwiGLU, and qkv's rotary embedding with each row's k and v written into the cache at its own slot, with the separate
+kernels' bits and two launches a layer fewer. Launched with PDL (pdl.py), a program asks L2 for its first tiles
+(the pipeline's depth) before it waits for the kernel before, and lets the next one launch after its main loop.
+On an H100 (docs/speculative.md, runs 138-140) both took the k = 4 verification step from 1.17-1.18x a plain step
+to 1.12-1.20x (median 1.14 over seven processes; the PDL part alone: median 1.14 against 1.17).
 """
 
 from __future__ import annotations
@@ -20,10 +27,16 @@ import torch
 from llmserve.config import Config
 
 from . import use_triton
+from .gemv import RopeCache, rope_operands
+from .pdl import launch_args, pdl_on
 
 try:
     import triton
     import triton.language as tl
+
+    from .gemv_epilogue import gemv_rows
+    from .pdl import l2_prefetch, pdl_launch_next, pdl_wait
+    from .rotary import rope_pairs
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -35,29 +48,49 @@ if triton is not None:
     @triton.jit
     def _skinny_kernel(
         x_ptr,  # [M, K], K contiguous
-        w_ptr,  # [N, K] bf16 / fp16, K contiguous
+        w_ptr,  # [N, K] bf16 / fp16, K contiguous (EPI 2: [2N, K])
         b_ptr,  # [N] or unused
         out_ptr,  # [M, N], N contiguous
         M,
-        N,
+        N,  # output columns (EPI 2: half the weight's rows)
         K,
         stride_xm,
         stride_wn,
         stride_om,
+        pos_ptr,  # EPI 3: each row's position and cache slot, cos/sin, the layer's caches (gemv.RopeCache)
+        slot_ptr,
+        cs_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        stride_cb,
+        stride_ch,
+        num_heads,
+        num_kv_heads,
         HAS_BIAS: tl.constexpr,
         EVEN_K: tl.constexpr,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        EPI: tl.constexpr,  # what becomes of the rows: 0 stored, 2 SwiGLU, 3 rotary + cache (gemv_epilogue.py)
+        HALF: tl.constexpr,  # EPI 3: half the head dim
+        CACHE_BLOCK: tl.constexpr,
+        LIMIT: tl.constexpr,
+        PDL: tl.constexpr,  # launched with PDL (pdl.py)
+        PREFETCH: tl.constexpr,  # PDL: weight tiles a row asked of L2 before the wait (the pipeline's depth)
     ):
         pid = tl.program_id(0)
-        rn = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn, n_ok = gemv_rows(pid, N, BLOCK_N, EPI, HALF)
         rm = tl.arange(0, BLOCK_M)
         rk = tl.arange(0, BLOCK_K)
         m_ok = rm < M
-        # The last program's rows past N read row N - 1 again (unmasked loads pipeline best); never stored
-        w_ptrs = w_ptr + (rn % N)[:, None].to(tl.int64) * stride_wn + rk[None, :]
+        # The last program's rows past N read row 0 (unmasked loads pipeline best); never stored
+        w_rows = w_ptr + tl.where(n_ok, rn, 0)[:, None].to(tl.int64) * stride_wn
+        w_ptrs = w_rows + rk[None, :]
         x_ptrs = x_ptr + rm[None, :] * stride_xm + rk[:, None]  # x.T's tile: [BLOCK_K, BLOCK_M]
+        if PDL:  # the first tiles the pipeline will copy, asked of L2 before the wait (weights: no kernel's output)
+            lines = tl.minimum(tl.arange(0, PREFETCH * BLOCK_K // 64) * 64, K - 1)  # one a 128-byte line
+            l2_prefetch(w_rows + lines[None, :])
+        pdl_wait(PDL)
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
         for k in range(0, K, BLOCK_K):
             if EVEN_K:
@@ -70,10 +103,27 @@ if triton is not None:
             acc = tl.dot(w, xt.to(w.dtype), acc)
             w_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
-        if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
-        out_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & (rn < N)[:, None])
+        pdl_launch_next(PDL)
+        if EPI == 0:
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+            out_ptrs = out_ptr + rm[None, :] * stride_om + rn[:, None]
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & n_ok[:, None])
+        else:  # the program's rows in pairs (gemv_rows): gate j and up j; a head's j and j + HALF
+            a, b = tl.split(tl.permute(tl.reshape(acc, (BLOCK_N // 2, 2, BLOCK_M)), (0, 2, 1)))
+            r1 = tl.split(tl.reshape(rn, (BLOCK_N // 2, 2)))[0]
+            if EPI == 2:  # silu(gate) * up, as kernels/activation.py computes it from the fp32 rows
+                ro = pid * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+                out_ptrs = out_ptr + rm[None, :] * stride_om + ro[:, None]
+                tl.store(out_ptrs, (a * tl.sigmoid(a) * b).to(out_ptr.dtype.element_ty), mask=m_ok[None, :] & (ro < N)[:, None])  # fmt: skip
+            else:  # kernels/rotary.py's rotation and cache write, each row at its own position and slot
+                pos = tl.load(pos_ptr + rm, mask=m_ok, other=0).to(tl.int64)[None, :]
+                slot = tl.load(slot_ptr + rm, mask=m_ok, other=-1).to(tl.int64)[None, :]
+                rope_pairs(
+                    a, b, r1[:, None], (r1 < N)[:, None] & m_ok[None, :], out_ptr + rm[None, :] * stride_om, pos,
+                    slot, cs_ptr, k_cache_ptr, v_cache_ptr, stride_cb, stride_ch, num_heads, num_kv_heads, HALF,
+                    CACHE_BLOCK, LIMIT,
+                )  # fmt: skip
 
 
 def skinny_launch(N: int, K: int) -> tuple[int, int, int, int]:
@@ -103,33 +153,56 @@ def skinny(
     bias: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: tuple[int, int, int, int] | None = None,
+    glu: bool = False,
+    rope: RopeCache | None = None,
 ) -> torch.Tensor:
     """x [M, K] (M <= 16) @ weight [N, K].T (+ bias [N]) -> [M, N] in out_dtype (default x's), accumulated in
-    fp32. config: (BLOCK_N, BLOCK_K, num_warps, num_stages), for the sweep (default: skinny_launch)."""
+    fp32. config: (BLOCK_N, BLOCK_K, num_warps, num_stages), for the sweep (default: skinny_launch). At most one
+    of (no bias), as kernels/gemv.py's for one row, each row a token of its own:
+    glu: the weight is a gate | up projection [2n, K], and the result is silu(gate) * up [M, n] in out_dtype;
+    rope: the weight is a qkv projection, and the result is what `rope_and_cache` leaves of it (q rotated),
+      each token's rotated k and v written into the cache at its slot.
+    glu and rope compute from the same fp32 rows as the product alone, then as the separate kernel does."""
     M, K = x.shape
     N = weight.shape[0]
     if weight.shape[1] != K or not 1 <= M <= 16:
         raise ValueError(f"skinny: x {tuple(x.shape)} against weight {tuple(weight.shape)} (1 to 16 rows of K)")
     block_n, block_k, warps, stages = config or skinny_launch(N, K)
+    epi = 2 if glu else 3 if rope is not None else 0
+    if epi and (glu and rope is not None or bias is not None or N % 2 or block_n % 2):
+        raise ValueError("skinny: glu or rope, without a bias, over pairs of rows (an even N)")
+    rope_args, half, cache_block, limit = rope_operands(rope, N) if rope is not None else ((weight,) * 5 + (0,) * 4, 1, 1, 0.0)  # fmt: skip
+    if rope is not None and rope.positions.shape[0] != M:
+        raise ValueError(f"skinny: {M} rows against {rope.positions.shape[0]} positions")
     x = x.contiguous()
-    out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
-    _skinny_kernel[(triton.cdiv(N, block_n),)](
+    n_out = N // 2 if glu else N
+    out = torch.empty(M, n_out, dtype=out_dtype or x.dtype, device=x.device)
+    count, per_program = (N // 2, block_n // 2) if epi else (N, block_n)  # outputs (glu), pairs (rope) or rows
+    _skinny_kernel[(triton.cdiv(count, per_program),)](
         x,
         weight,
         bias if bias is not None else weight,
         out,
         M,
-        N,
+        n_out,
         K,
         x.stride(0),
         weight.stride(0),
         out.stride(0),
+        *rope_args,
         HAS_BIAS=bias is not None,
         EVEN_K=K % block_k == 0,
         BLOCK_M=16,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        EPI=epi,
+        HALF=half,
+        CACHE_BLOCK=cache_block,
+        LIMIT=limit,
+        PDL=(pdl := pdl_on(x)),
+        PREFETCH=max(stages - 1, 1),
         num_warps=warps,
         num_stages=stages,
+        **launch_args(pdl),
     )
     return out

@@ -101,8 +101,8 @@ class LinearMethod:
             return F.linear(x, W, bias).to(out_dtype)
         if (ops := self.gemv_operands(w, x, out_dtype)) is not None:  # batch-1 decode: kernels/gemv.py
             return gemv(x, *ops, bias, out_dtype)  # (5-27% faster than cuBLAS on the 8B's, H100)
-        if skinny_ok(x, W):  # 2-16 rows (verification, small batches): kernels/skinny.py
-            return skinny(x, W, bias, out_dtype)
+        if (W5 := self.skinny_operands(w, x, out_dtype)) is not None:  # 2-16 rows (verification): kernels/skinny.py
+            return skinny(x, W5, bias, out_dtype)
         out = torch.mm(x, W.t(), out_dtype)  # cuBLAS writes fp32 (model.py: `wide`)
         return out if bias is None else out.add_(bias)
 
@@ -113,6 +113,13 @@ class LinearMethod:
             return None
         W = w["weight"]
         return (W, None, 0) if x.is_cuda and out_dtype != x.dtype and gemv_ok(x, W) else None
+
+    def skinny_operands(self, w: dict[str, torch.Tensor], x: torch.Tensor, out_dtype: torch.dtype):
+        """The weight where `apply` gives this product to kernels/skinny.py, else None (apply asks it too)."""
+        if self is not self.dense:
+            return None
+        W = w["weight"]
+        return W if x.is_cuda and out_dtype != x.dtype and skinny_ok(x, W) else None
 
 
 class W8(LinearMethod):
