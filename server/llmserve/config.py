@@ -341,7 +341,7 @@ class Config:
         "LLMSERVE_GEMV_FUSE",
         True,
         _bool,
-        doc="with the GEMV: the one-row products of gate_up and qkv do the SwiGLU and the rotary + cache write too",
+        doc="the 1-16-row products of gate_up and qkv (GEMV, skinny kernel) do the SwiGLU and the rotary + cache write too",
     )
     pdl: bool = _setting(
         "LLMSERVE_PDL",
