@@ -16,8 +16,9 @@ As the one-row GEMV's, its epilogue can also do what follows the product (gemv_e
 SwiGLU, and qkv's rotary embedding with each row's k and v written into the cache at its own slot, with the separate
 kernels' bits and two launches a layer fewer. Launched with PDL (pdl.py), a program asks L2 for its first tiles
 (the pipeline's depth) before it waits for the kernel before, and lets the next one launch after its main loop.
-On an H100 (docs/speculative.md, runs 138-140) both took the k = 4 verification step from 1.17-1.18x a plain step
-to 1.12-1.20x (median 1.14 over seven processes; the PDL part alone: median 1.14 against 1.17).
+They take 0.15 ms off the device time of an 8B k = 4 verification step on an H100 (5.95 -> 5.81 ms without PDL); what
+that step costs against a plain one also depends on the host's serial share, which differs from box to box
+(docs/speculative.md, runs 138-145).
 """
 
 from __future__ import annotations
