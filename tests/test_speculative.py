@@ -256,18 +256,49 @@ def _verification_batch(runner, rng, drafts_per_chunk):
     return StepBatch(chunks)
 
 
+def verify_arrays(a: dict, num_tokens: np.ndarray, q: int) -> dict:
+    """The reference of cuda_graphs.VerifyPack's layout: a verification step's host arrays (inputs.host_arrays; every chunk a sampling chunk of its last
+    token and its drafts, `num_tokens` each) padded to q queries per chunk. A pad repeats its chunk's
+    last position (a valid rotary index) with slot -1 (no KV written) and id 0; seq_lens count the
+    pads, so each real query sits where its position says and the causal mask hides the pads from it.
+    `rows`: the padded rows of the real tokens (all of them sampled), in order."""
+    j = np.arange(q)[None, :]
+    real = j < num_tokens[:, None]
+    first = np.cumsum(num_tokens) - num_tokens
+    src = np.where(real, first[:, None] + j, (first + num_tokens - 1)[:, None]).reshape(-1)
+    flat = real.reshape(-1)
+    return dict(
+        ids=np.where(flat, a["ids"][src], 0),
+        positions=a["positions"][src],
+        slots=np.where(flat, a["slots"][src], -1),
+        seq_lens=a["seq_lens"] - num_tokens + q,
+        bt=a["bt"],
+        rows=np.flatnonzero(flat),
+    )
+
+
+def _same_inputs(graphs, got, want, bs: int, q: int) -> bool:
+    """The parts of two copies of the graphs' static buffers that a replay of bucket bs reads (the rest is staging
+    bytes no query reads)."""
+    import torch
+
+    parts = zip(graphs._views(got), graphs._views(want), (bs * q, bs * q, bs * q, bs, bs))
+    return all(torch.equal(a[:n], b[:n]) for a, b, n in parts)
+
+
 def test_padded_verification_layout_gives_the_eager_logits(models):
     """What a verification CUDA graph computes (verify_arrays' padding to q queries a sequence), run
     eagerly on the CPU over the graphs' static buffers, equals the unpadded eager step's logits."""
     import torch
 
-    from llmserve.runners.torch.cuda_graphs import DecodeGraphs, verify_arrays
+    from llmserve.runners.torch.cuda_graphs import DecodeGraphs, VerifyPack
     from llmserve.runners.torch.inputs import host_arrays
     from llmserve.runners.torch.runner import TorchRunner
 
     cfg = Config.from_env(env={}, block_size=4, max_seq_len=256, batch_size=8, block_bs=4)
     runner = TorchRunner(models["torch"], cfg)
-    rng = np.random.default_rng(random.randrange(1 << 30))
+    seed = random.randrange(1 << 30)
+    rng = np.random.default_rng(seed)
     batch = _verification_batch(runner, rng, [0, 2, 4, 1, 3])
     eager = runner.forward_logits(batch)
     graphs = DecodeGraphs(runner.model, runner.kv_cache, 8, runner.max_blocks_per_seq, 1, max_draft=4)
@@ -275,8 +306,60 @@ def test_padded_verification_layout_gives_the_eager_logits(models):
     v = verify_arrays(a, a["q_lens"], 5)
     with torch.inference_mode():
         bs = graphs.load(v, q=5)
+        want = graphs.static.clone()
         padded = graphs._run(bs, 5)[1][torch.from_numpy(v["rows"])]
+        # The runner's own packing of the step (no host arrays) fills the same buffers and rows
+        assert graphs.verify_q(batch.chunks) == 5
+        pack = VerifyPack(batch.chunks, runner.block_size, 5)
+        assert graphs.load(pack, q=5) == bs and _same_inputs(graphs, graphs.static, want, bs, 5), f"seed {seed}"
+        assert np.array_equal(pack.rows, v["rows"]), f"seed {seed}"
     torch.testing.assert_close(padded, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_which_steps_the_verification_graphs_pack(models):
+    """`DecodeGraphs.verify_q`: q for a batch of sampling chunks of last token + drafts (a bucket for them, block
+    tables within the graphs'); 0 for a plain decode step, a prefill chunk beside a verifying one, more sequences or
+    drafts than the graphs take, a PENDING input; random batches pack as the host arrays' reference lays them out."""
+    import torch
+
+    from llmserve.engine.request import PENDING
+    from llmserve.runners.base import SeqChunk
+    from llmserve.runners.torch.cuda_graphs import DecodeGraphs, VerifyPack
+    from llmserve.runners.torch.inputs import host_arrays
+    from llmserve.runners.torch.runner import TorchRunner
+
+    cfg = Config.from_env(env={}, block_size=4, max_seq_len=256, batch_size=8, block_bs=4)
+    runner = TorchRunner(models["torch"], cfg)
+    graphs = DecodeGraphs(runner.model, runner.kv_cache, 8, runner.max_blocks_per_seq, 1, max_draft=4)
+    seed = random.randrange(1 << 30)
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        drafts = rng.integers(0, 5, int(rng.integers(1, 9))).tolist()
+        batch = _verification_batch(runner, rng, drafts)
+        q = 1 + max(drafts)
+        assert graphs.verify_q(batch.chunks) == (q if q > 1 else 0), (seed, drafts)
+        if q == 1:
+            continue
+        a = host_arrays(batch.chunks, runner.block_size)
+        v = verify_arrays(a, a["q_lens"], q)
+        with torch.inference_mode():
+            bs = graphs.load(v, q=q)
+            want = graphs.static.clone()
+            pack = VerifyPack(batch.chunks, runner.block_size, q)
+            graphs.static.fill_(-7)
+            assert graphs.load(pack, q=q) == bs
+        assert _same_inputs(graphs, graphs.static, want, bs, q), (seed, drafts)
+        assert np.array_equal(pack.rows, v["rows"]), (seed, drafts)
+    chunks = _verification_batch(runner, rng, [2, 1]).chunks
+    assert graphs.verify_q(chunks) == 3
+    c = chunks[0]
+    for bad in (
+        [c, SeqChunk(c.request, 0, 3, False)],  # a prefill chunk beside it
+        [c] * 9,  # more sequences than the graphs' largest bucket
+        [SeqChunk(c.request, c.start, c.num_tokens, True, [PENDING, 1])],
+        [SeqChunk(c.request, c.start, 1 + 5, True, [1] * 5)],  # more drafts than the graphs take
+    ):
+        assert graphs.verify_q(bad) == 0
 
 
 @pytest.mark.gpu

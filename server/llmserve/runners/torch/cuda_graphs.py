@@ -10,16 +10,20 @@ device copy into that buffer plus one replay. Padded rows have context length
 
 Speculative decoding's verification steps (every sequence: its last token and k drafts) get graphs
 of q = k + 1 queries per sequence, for k = 1..SPECULATE_MAX_DRAFT_TOKEN_NUM and batches of up to
-MAX_VERIFY_TOKENS tokens. A sequence with fewer drafts is padded to q (`verify_arrays`): its extra
+MAX_VERIFY_TOKENS tokens. A sequence with fewer drafts is padded to q (`VerifyPack`): its extra
 queries write no KV and come after its real ones, so the causal mask hides them from those.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from llmserve.engine.request import PENDING
+from llmserve.runners.base import SeqChunk
 
 from .inputs import PinnedStaging, StepInputs
 from .kernels.attention import AttnMeta, tile_tokens
@@ -36,25 +40,19 @@ def decode_splits(batch: int, num_kv_heads: int, num_sms: int, max_splits: int =
     return int(min(max_splits, max(1, -(-2 * num_sms // (batch * num_kv_heads)))))
 
 
-def verify_arrays(a: dict[str, np.ndarray], num_tokens: np.ndarray, q: int) -> dict[str, np.ndarray]:
-    """A verification step's host arrays (inputs.host_arrays; every chunk a sampling chunk of its last
-    token and its drafts, `num_tokens` each) padded to q queries per chunk. A pad repeats its chunk's
-    last position (a valid rotary index) with slot -1 (no KV written) and id 0; seq_lens count the
-    pads, so each real query sits where its position says and the causal mask hides the pads from it.
-    `rows`: the padded rows of the real tokens (all of them sampled), in order."""
-    j = np.arange(q)[None, :]
-    real = j < num_tokens[:, None]
-    first = np.cumsum(num_tokens) - num_tokens
-    src = np.where(real, first[:, None] + j, (first + num_tokens - 1)[:, None]).reshape(-1)
-    flat = real.reshape(-1)
-    return dict(
-        ids=np.where(flat, a["ids"][src], 0),
-        positions=a["positions"][src],
-        slots=np.where(flat, a["slots"][src], -1),
-        seq_lens=a["seq_lens"] - num_tokens + q,
-        bt=a["bt"],
-        rows=np.flatnonzero(flat),
-    )
+@dataclass
+class VerifyPack:
+    """A verification step that a graph replays (`DecodeGraphs.verify_q`): `load` packs its chunks into the static
+    buffers itself, in one pass, without inputs.host_arrays: the serial step's host time is on the critical path
+    (docs/speculative.md), and for a few sequences numpy's per-call cost was most of it. Each chunk gets q queries:
+    its real tokens, then pads that repeat its last position (a valid rotary index) with slot -1 (no KV written)
+    and id 0; seq_lens count the pads, so each real query sits where its position says and the causal mask hides
+    the pads from it. `rows`, set by `load`: the padded rows of the real tokens (all sampled), in order."""
+
+    chunks: list[SeqChunk]
+    block_size: int
+    q: int
+    rows: np.ndarray | None = None
 
 
 class DecodeGraphs:
@@ -107,6 +105,39 @@ class DecodeGraphs:
         self.mtp_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.mtp_y: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
+        self._np_views: dict[int, tuple[torch.Tensor, list[np.ndarray]]] = {}  # staging buffer -> its views
+
+    def _host_views(self, staging: torch.Tensor) -> list[np.ndarray]:
+        """`_views` of a staging buffer as numpy (cached: the ring's buffers are few and kept)."""
+        cached = self._np_views.get(key := staging.data_ptr())
+        if cached is None or cached[0] is not staging:
+            host, o = staging.numpy(), self.offsets
+            views = [host[o[i] : o[i + 1]] for i in range(4)] + [
+                host[o[4] : o[5]].reshape(self.max_batch, self.max_blocks)
+            ]
+            self._np_views[key] = cached = (staging, views)
+        return cached[1]
+
+    @staticmethod
+    def _pack_verify(p: VerifyPack, ids, pos, slots, lens, bt) -> None:
+        """`VerifyPack`'s chunks into the host views."""
+        q, size = p.q, p.block_size
+        tok, at, slot, rows = [], [], [], []
+        for i, c in enumerate(p.chunks):
+            table, n, s = c.request.block_table, c.num_tokens, c.start
+            tok += c.token_ids
+            tok += [0] * (q - n)
+            at += range(s, s + n)
+            at += [s + n - 1] * (q - n)
+            slot += [table[t // size] * size + t % size for t in range(s, s + n)]
+            slot += [-1] * (q - n)
+            rows += range(i * q, i * q + n)
+            lens[i] = s + q
+            bt[i, : len(table)] = table
+            bt[i, len(table) :] = 0
+        T = len(tok)
+        ids[:T], pos[:T], slots[:T] = tok, at, slot
+        p.rows = np.asarray(rows, dtype=np.int64)
 
     def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         o = self.offsets
@@ -182,33 +213,50 @@ class DecodeGraphs:
     def _replay_mtp(self, key: tuple[int, int]) -> None:
         self.mtp_graphs[key].replay()
 
+    def verify_q(self, chunks: list[SeqChunk]) -> int:
+        """q when a graph replays this step as a verification step, else 0: every chunk a sampling chunk of its
+        last token and drafts (q - 1 at most), none with prompt logprobs or a PENDING input, a bucket for
+        them, their block tables within the graphs'."""
+        q = 1 + max((len(c.draft_token_ids) for c in chunks), default=0)
+        if q == 1 or self.bucket(len(chunks), q) is None:
+            return 0
+        for c in chunks:
+            if not c.sample or c.num_tokens != c.num_sampled_rows or c.num_prompt_logprobs:
+                return 0
+            if len(c.request.block_table) > self.max_blocks or PENDING in c.token_ids:
+                return 0
+        return q
+
     def bucket(self, batch: int, q: int = 1) -> int | None:
         return next((b for b in self.buckets.get(q, ()) if b >= batch), None)
 
-    def replay(self, a: dict[str, np.ndarray], fill_ids=None, q: int = 1) -> torch.Tensor:
-        """Logits [bucket * q, V] of a decode-only step (q = 1) or a padded verification step
-        (`verify_arrays`) given its host arrays; `fill_ids(ids)` may then write device-side inputs
+    def replay(self, a: dict[str, np.ndarray] | VerifyPack, fill_ids=None, q: int = 1) -> torch.Tensor:
+        """Logits [bucket * q, V] of a decode-only step (q = 1) given its host arrays, or of a padded
+        verification step (`VerifyPack`); `fill_ids(ids)` may then write device-side inputs
         into the static ids before the replay."""
         bs = self.load(a, fill_ids, q)
         self.graphs[q, bs].replay()
         self.last_hidden, self.last_key = self.hidden[q, bs], (q, bs)
         return self.logits[q, bs]
 
-    def load(self, a: dict[str, np.ndarray], fill_ids=None, q: int = 1) -> int:
+    def load(self, a: dict[str, np.ndarray] | VerifyPack, fill_ids=None, q: int = 1) -> int:
         """Copy a step's inputs into the static buffers (padding the bucket); returns the bucket.
         `_run(bucket, q)` then computes what the graph would (eagerly: how the tests check graph inputs on a CPU)."""
-        B = a["seq_lens"].shape[0]
+        B = len(a.chunks) if isinstance(a, VerifyPack) else a["seq_lens"].shape[0]
         bs = self.bucket(B, q)
         T, Tb = B * q, bs * q
         staging = self.staging.take(int(self.offsets[-1]))
-        ids, pos, slots, lens, bt = (t.numpy() for t in self._views(staging))
-        ids[:T], pos[:T], slots[:T], lens[:B] = a["ids"], a["positions"], a["slots"], a["seq_lens"]
+        ids, pos, slots, lens, bt = self._host_views(staging)
+        if isinstance(a, VerifyPack):
+            self._pack_verify(a, ids, pos, slots, lens, bt)
+        else:
+            ids[:T], pos[:T], slots[:T], lens[:B] = a["ids"], a["positions"], a["slots"], a["seq_lens"]
+            w = a["bt"].shape[1]
+            bt[:B, :w] = a["bt"]
+            # The rest are valid block ids (0), never stale bytes of the staging buffer: a verification
+            # step's pad queries read keys past their sequence's last block (masked, but read).
+            bt[:B, w:] = 0
         ids[T:Tb], pos[T:Tb], slots[T:Tb], lens[B:bs] = 0, 0, -1, 0
-        w = a["bt"].shape[1]
-        bt[:B, :w] = a["bt"]
-        # The rest are valid block ids (0), never stale bytes of the staging buffer: a verification
-        # step's pad queries read keys past their sequence's last block (masked, but read).
-        bt[:B, w:] = 0
         bt[B:bs] = 0
         # one copy: everything up to the end of the block-table rows in use
         end = int(self.offsets[4]) + bs * self.max_blocks

@@ -22,7 +22,7 @@ from llmserve.config import Config
 from llmserve.models.config import ModelConfig
 from llmserve.runners.base import ModelRunner, SeqChunk, StepBatch, StepResult, split_prompt_logprobs
 
-from .cuda_graphs import DecodeGraphs, decode_splits, verify_arrays
+from .cuda_graphs import DecodeGraphs, VerifyPack, decode_splits
 from .inputs import StepInputs, Uploader, host_arrays, work_items
 from .kernels import pdl
 from .kernels.attention import AttnMeta, tile_tokens
@@ -258,17 +258,26 @@ class TorchRunner(ModelRunner):
     def forward_logits(self, batch: StepBatch, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [sampled rows, V] (float32) of a step; writes its K/V. `ids`: the step's input tokens
         on the device (a draft model's own proposals, never read back), else the chunks' token_ids."""
-        return self._forward(batch, host_arrays(batch.chunks, self.block_size), ids)[0]
+        return self._forward(batch, ids)[0]
 
     def _forward(
-        self, batch: StepBatch, a: dict, ids: torch.Tensor | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, StepInputs | None, np.ndarray | None]:
+        self, batch: StepBatch, ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor, StepInputs | None, np.ndarray | None, dict | None]:
         """Sampled rows' logits, the step's final hidden states, its device inputs (None when a graph
-        ran it: `graphs.inputs()` gives them), and where each packed token's row is in the hidden
-        states (None: in order; a replayed graph's are in its padded layout)."""
+        ran it: `graphs.inputs()` gives them), where each packed token's row is in the hidden
+        states (None: in order; a replayed graph's are in its padded layout), and its host arrays
+        (None for a verification step replayed as a graph: packed without them, cuda_graphs.VerifyPack)."""
         B = len(batch.chunks)
-        self._mark_start()
         g = self.graphs
+        if g is not None and (q := g.verify_q(batch.chunks)):  # every chunk its last token and drafts
+            self._mark_start()
+            pack = VerifyPack(batch.chunks, self.block_size, q)
+            logits = g.replay(pack, q=q)
+            # Pinned: a pageable copy would wait for the graph, and the host work after it with it.
+            (rows,) = self.uploader.upload([pack.rows])
+            return logits[rows.long()], g.last_hidden, None, pack.rows, None
+        a = host_arrays(batch.chunks, self.block_size)
+        self._mark_start()
         # The graphs return the logits of sampled rows only, not of prompt-logprob positions.
         if g is not None and "plp_tok" not in a and a["bt"].shape[1] <= g.max_blocks:
             if a["ids"].shape[0] == B and g.bucket(B) is not None:  # decode only
@@ -278,25 +287,15 @@ class TorchRunner(ModelRunner):
                 logits = g.replay(a, fill)
                 layout = np.arange(B)
                 if a["sampled"].shape[0] == B:
-                    return logits[:B], g.last_hidden, None, layout
+                    return logits[:B], g.last_hidden, None, layout, a
                 (sampled,) = self.uploader.upload([a["sampled"]])  # pinned: a pageable copy would wait
-                return logits[sampled.long()], g.last_hidden, None, layout
-            q = 1 + max(len(c.draft_token_ids) for c in batch.chunks)
-            n = a["q_lens"]
-            # Verification only: every chunk its last token and drafts (no prefill chunk beside them).
-            if q > 1 and g.bucket(B, q) is not None and all(c.sample for c in batch.chunks):
-                if (n == np.fromiter((c.num_sampled_rows for c in batch.chunks), np.int64, B)).all():
-                    v = verify_arrays(a, n, q)
-                    logits = g.replay(v, q=q)
-                    # Pinned: a pageable copy would wait for the graph, and the host work after it with it.
-                    (rows,) = self.uploader.upload([v["rows"]])
-                    return logits[rows.long()], g.last_hidden, None, v["rows"]
+                return logits[sampled.long()], g.last_hidden, None, layout, a
         x = self.prepare(batch, a)
         self._fill_pending(batch, x.input_ids, a)
         if ids is not None:
             x.input_ids.copy_(ids)
         hidden = self.model.forward(x.input_ids, x.positions, x.slot_mapping, x.meta, self.kv_cache)
-        return self.model.logits(hidden[x.sample_idx.long()]), hidden, x, None
+        return self.model.logits(hidden[x.sample_idx.long()]), hidden, x, None, a
 
     def _prompt_logprobs(
         self, hidden: torch.Tensor, x: StepInputs, k: int
@@ -325,10 +324,9 @@ class TorchRunner(ModelRunner):
             if self.mtp is not None:
                 self.mtp.drop(batch.finished_req_ids)
         self._t_start = None
-        a = host_arrays(batch.chunks, self.block_size)
-        logits, hidden, x, layout = self._forward(batch, a)
+        logits, hidden, x, layout, a = self._forward(batch)
         plp = None
-        if "plp_tok" in a:
+        if a is not None and "plp_tok" in a:
             asking = [c for c in batch.chunks if c.prompt_logprobs]
             k = max(1, max(c.request.params.prompt_logprobs or 0 for c in asking))
             plp = (asking, self._prompt_logprobs(hidden, x, min(k, self.vocab_size)))
@@ -355,6 +353,7 @@ class TorchRunner(ModelRunner):
             if x is None:  # a replayed graph: its inputs, and the module's own graph when captured
                 x = self.graphs.inputs()
                 run = self.graphs.replay_mtp if self.graphs.mtp_graphs else None
+            a = a if a is not None else host_arrays(batch.chunks, self.block_size)  # (after the launch)
             self.mtp.extend(batch.chunks, a, hidden, x, layout, tokens, num_new_dev if rows else None, kv, run)
         host = self._to_host(tokens)
         if plp is not None:  # copied with the tokens: result() must not wait on the next step's work
