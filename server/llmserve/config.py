@@ -347,8 +347,8 @@ class Config:
         "LLMSERVE_PDL",
         True,
         _bool,
-        doc="CUDA sm_90+: the 8/16-bit GEMV, RMSNorm and attention kernels launch while the kernel before them ends "
-        "(programmatic dependent launch)",
+        doc="CUDA sm_90+: the 8/16-bit GEMV, skinny, RMSNorm and attention kernels launch while the kernel before them "
+        "ends (programmatic dependent launch)",
     )
     torch_kernels: str = _setting(
         "LLMSERVE_TORCH_KERNELS",

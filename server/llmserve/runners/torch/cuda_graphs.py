@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 import torch
@@ -47,12 +48,17 @@ class VerifyPack:
     (docs/speculative.md), and for a few sequences numpy's per-call cost was most of it. Each chunk gets q queries:
     its real tokens, then pads that repeat its last position (a valid rotary index) with slot -1 (no KV written)
     and id 0; seq_lens count the pads, so each real query sits where its position says and the causal mask hides
-    the pads from it. `rows`, set by `load`: the padded rows of the real tokens (all sampled), in order."""
+    the pads from it."""
 
     chunks: list[SeqChunk]
     block_size: int
     q: int
-    rows: np.ndarray | None = None
+
+    @property
+    def rows(self) -> np.ndarray:
+        """The padded rows of the real tokens (all sampled), in order."""
+        q = self.q
+        return np.fromiter(chain.from_iterable(range(i * q, i * q + c.num_tokens) for i, c in enumerate(self.chunks)), np.int64)  # fmt: skip
 
 
 class DecodeGraphs:
@@ -122,7 +128,7 @@ class DecodeGraphs:
     def _pack_verify(p: VerifyPack, ids, pos, slots, lens, bt) -> None:
         """`VerifyPack`'s chunks into the host views."""
         q, size = p.q, p.block_size
-        tok, at, slot, rows = [], [], [], []
+        tok, at, slot = [], [], []
         for i, c in enumerate(p.chunks):
             table, n, s = c.request.block_table, c.num_tokens, c.start
             tok += c.token_ids
@@ -131,13 +137,11 @@ class DecodeGraphs:
             at += [s + n - 1] * (q - n)
             slot += [table[t // size] * size + t % size for t in range(s, s + n)]
             slot += [-1] * (q - n)
-            rows += range(i * q, i * q + n)
             lens[i] = s + q
             bt[i, : len(table)] = table
             bt[i, len(table) :] = 0
         T = len(tok)
         ids[:T], pos[:T], slots[:T] = tok, at, slot
-        p.rows = np.asarray(rows, dtype=np.int64)
 
     def _views(self, buf: torch.Tensor) -> list[torch.Tensor]:
         o = self.offsets

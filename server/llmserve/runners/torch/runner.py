@@ -274,8 +274,9 @@ class TorchRunner(ModelRunner):
             pack = VerifyPack(batch.chunks, self.block_size, q)
             logits = g.replay(pack, q=q)
             # Pinned: a pageable copy would wait for the graph, and the host work after it with it.
-            (rows,) = self.uploader.upload([pack.rows])
-            return logits[rows.long()], g.last_hidden, None, pack.rows, None
+            layout = pack.rows
+            (rows,) = self.uploader.upload([layout])
+            return logits[rows.long()], g.last_hidden, None, layout, None
         a = host_arrays(batch.chunks, self.block_size)
         self._mark_start()
         # The graphs return the logits of sampled rows only, not of prompt-logprob positions.
