@@ -2,12 +2,12 @@
 # Issue 15 (quantization) on the GPU box, in one call: the kernels' GPU tests, the GEMM benchmark,
 # the 8B speed table and (PART=fidelity) the fidelity table. Results under $OUT.
 #   PART=tests,gemm,speed (default) | any comma list of tests, gemm, speed, fidelity
-# Carries .whl-test (pytest, msgpack, safetensors wheels for Python 3.12) and .whl/pyzmq*.whl.
+# Carries .whl (scripts/device_wheels.sh: pytest, pyzmq, ... for Python 3.12).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-/tmp/quant-out}"
 mkdir -p "$OUT"
-pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-test/*.whl .whl/pyzmq*.whl 2>&1 | tail -2
+pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
 export PYTHONPATH="$PWD/server:/tmp/site"
 PARTS="${PART:-tests,gemm,speed}"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"

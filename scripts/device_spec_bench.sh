@@ -4,13 +4,13 @@
 #   default 1,16,64,256; batch 1 adds a profile of a plain and a verification step);
 #   TRAINED=1: trains the reference target (+MTP) and draft on the stdlib (scripts/train_models.sh,
 #   TARGET_SECONDS / DRAFT_SECONDS), then acceptance per method and k and decode tokens/s.
-# Carry .whl-test (pytest, msgpack, safetensors), .whl (pyzmq) and .corpus (this machine's stdlib
-# sources: the GPU box's Python has fewer files); results land in $OUT.
+# Carry .whl (scripts/device_wheels.sh: pyzmq, pytest, ...) and, for TRAINED=1, .corpus (this machine's
+# stdlib sources: the GPU box's Python has fewer files); results land in $OUT.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
-pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl-test/*.whl .whl/pyzmq*.whl 2>&1 | grep -v WARN || true
+pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN || true
 export PYTHONPATH="$PWD/server:/tmp/site" PYTHONUNBUFFERED=1
 if [[ "${ORACLE:-1}" == 1 ]]; then
   python scripts/bench_spec.py --oracle --batches "${ORACLE_BATCHES:-1,16,64,256}" --out "$OUT/spec_oracle.json" 2>&1 | grep -v Warn
