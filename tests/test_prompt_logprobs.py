@@ -167,7 +167,34 @@ def test_torch_prompt_logprobs_match_transformers(checkpoint, overlap):
             check_torch(got, checkpoint, prompt, p.prompt_logprobs)
         # The same tokens as alone (and, for the asking ones, as without asking).
         alone = run(torch_engine(checkpoint, overlap), [(rid, prompt, dataclasses.replace(p, prompt_logprobs=None))])
+        if CUDA and tokens(outs[rid]) != tokens(alone[rid]):
+            assert_parted_at_a_tie(checkpoint, overlap, warm, batch, arrive, rid, tokens(outs[rid]), tokens(alone[rid]))
+            continue
         assert tokens(outs[rid]) == tokens(alone[rid]), rid
+
+
+BF16_TIE = 2e-2  # nats: how far bf16 kernels of other shapes (a batch's, a lone row's) move a logprob
+
+
+def assert_parted_at_a_tie(checkpoint, overlap, warm, batch, arrive, rid, in_batch, alone) -> None:
+    """On CUDA (bf16) a request's tokens in a batch and alone may part where two tokens are within bf16 noise of
+    each other: greedy's argmax, or a seeded draw on the boundary between two tokens. Run both again with
+    logprobs: the same tokens again (no race), and where they first part, the same distribution within
+    BF16_TIE and, for greedy, the two tokens tied within it. (Seen on an H100: once in ~1,000 workloads.)"""
+    asked = [(r, pr, dataclasses.replace(sp, logprobs=3)) for r, pr, sp in batch]
+    engine = torch_engine(checkpoint, overlap)
+    run(engine, [warm])
+    b = run(engine, asked, arrive)[rid]
+    prompt, p = next((pr, sp) for r, pr, sp in asked if r == rid)
+    a = run(torch_engine(checkpoint, overlap), [(rid, prompt, dataclasses.replace(p, prompt_logprobs=None))])[rid]
+    assert tokens(b) == in_batch and tokens(a) == alone, (rid, "not reproducible")
+    i = next(j for j, (x, y) in enumerate(zip(in_batch, alone)) if x != y)
+    top_b, top_a = ([dict(lp.top) for o in outs for lp in o.logprobs or []][i] for outs in (b, a))
+    for t in top_b.keys() & top_a.keys():
+        assert abs(top_b[t] - top_a[t]) < BF16_TIE, (rid, i, t, top_b, top_a)
+    if p.temperature == 0.0:
+        x, y = in_batch[i], alone[i]
+        assert x in top_b and y in top_b and abs(top_b[x] - top_b[y]) < BF16_TIE, (rid, i, top_b, top_a)
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["serial", "overlapped"])

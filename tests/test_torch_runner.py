@@ -482,8 +482,8 @@ def test_8b_shaped_logits_and_greedy_match_transformers(tmp_path):
     seen: dict[str, list[torch.Tensor]] = {r.req_id: [] for r in reqs}
     inner = runner._forward  # what every step's `submit` runs (forward_logits is the draft model's entry)
 
-    def recording(batch, a, ids=None):
-        out = inner(batch, a, ids)
+    def recording(batch, ids=None):
+        out = inner(batch, ids)
         for c, row in zip([c for c in batch.chunks if c.sample], out[0]):
             seen[c.request.req_id].append(row.float().cpu())
         return out
