@@ -482,8 +482,8 @@ def test_8b_shaped_logits_and_greedy_match_transformers(tmp_path):
     seen: dict[str, list[torch.Tensor]] = {r.req_id: [] for r in reqs}
     inner = runner._forward  # what every step's `submit` runs (forward_logits is the draft model's entry)
 
-    def recording(batch, ids=None):
-        out = inner(batch, ids)
+    def recording(batch, *args, **kwargs):  # whatever else `_forward` takes, passed on as given
+        out = inner(batch, *args, **kwargs)
         for c, row in zip([c for c in batch.chunks if c.sample], out[0]):
             seen[c.request.req_id].append(row.float().cpu())
         return out
