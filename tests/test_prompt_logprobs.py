@@ -5,7 +5,8 @@ against the same weights' dense dygraph forward. Fresh random weights and prompt
 longer than a step's chunk (chunked prefill), a shared prefix already in the prefix cache (which the
 asking request must not use), preemption mid-prefill, overlapped scheduling on and off. Requests
 that do not ask get exactly the tokens they get alone, and the asking ones the tokens they get
-without asking.
+without asking (on CUDA, where bf16 kernels of a batch's shapes round otherwise than a lone row's,
+they may part only where two tokens are tied within bf16 noise: `assert_parted_at_a_tie`).
 """
 
 from __future__ import annotations
