@@ -216,9 +216,11 @@ class RopeCache:
     num_kv_heads: int
 
 
-def rope_operands(rope: RopeCache, N: int) -> tuple[tuple, int, int, float]:
+def rope_operands(rope: RopeCache | None, N: int, filler: torch.Tensor) -> tuple[tuple, int, int, float]:
     """(the kernel's rope operands, HALF, CACHE_BLOCK, LIMIT) of `rope` for a qkv product of N rows (the GEMVs',
-    kernels/skinny.py's)."""
+    kernels/skinny.py's); without one, placeholders (`filler`: any tensor, never read)."""
+    if rope is None:
+        return (filler,) * 5 + (0,) * 4, 1, 1, 0.0
     kc = rope.k_cache
     half = kc.shape[-1] // 2
     if kc.dtype in QUANT_MAX or not (kc.is_contiguous() and rope.v_cache.is_contiguous()):
@@ -283,7 +285,7 @@ def gemv(
     n_out = N // 2 if glu else N
     out = weight if push is not None else torch.empty(rows, n_out, dtype=out_dtype or x.dtype, device=x.device)
     bases, epochs, rank, world, slot = push or (weight, weight, 0, 1, 0)
-    rope_args, half, cache_block, limit = rope_operands(rope, N) if rope is not None else ((weight,) * 5 + (0,) * 4, 1, 1, 0.0)  # fmt: skip
+    rope_args, half, cache_block, limit = rope_operands(rope, N, weight)
     per_program = block_n // 2 if epi > 1 else block_n  # outputs (glu), pairs (rope) or rows a program
     count = N // 2 if epi > 1 else N
     epilogue = dict(EPI=epi, RANK=rank, WORLD=world, HALF=half, CACHE_BLOCK=cache_block, LIMIT=limit)

@@ -172,7 +172,7 @@ def skinny(
     epi = 2 if glu else 3 if rope is not None else 0
     if epi and (glu and rope is not None or bias is not None or N % 2 or block_n % 2):
         raise ValueError("skinny: glu or rope, without a bias, over pairs of rows (an even N)")
-    rope_args, half, cache_block, limit = rope_operands(rope, N) if rope is not None else ((weight,) * 5 + (0,) * 4, 1, 1, 0.0)  # fmt: skip
+    rope_args, half, cache_block, limit = rope_operands(rope, N, weight)
     if rope is not None and rope.positions.shape[0] != M:
         raise ValueError(f"skinny: {M} rows against {rope.positions.shape[0]} positions")
     x = x.contiguous()

@@ -101,8 +101,8 @@ class LinearMethod:
             return F.linear(x, W, bias).to(out_dtype)
         if (ops := self.gemv_operands(w, x, out_dtype)) is not None:  # batch-1 decode: kernels/gemv.py
             return gemv(x, *ops, bias, out_dtype)  # (5-27% faster than cuBLAS on the 8B's, H100)
-        if (W5 := self.skinny_operands(w, x, out_dtype)) is not None:  # 2-16 rows (verification): kernels/skinny.py
-            return skinny(x, W5, bias, out_dtype)
+        if (Ws := self.skinny_operands(w, x, out_dtype)) is not None:  # 2-16 rows (verification): kernels/skinny.py
+            return skinny(x, Ws, bias, out_dtype)
         out = torch.mm(x, W.t(), out_dtype)  # cuBLAS writes fp32 (model.py: `wide`)
         return out if bias is None else out.add_(bias)
 
