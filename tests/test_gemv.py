@@ -153,6 +153,25 @@ INTERP_SCRIPT = textwrap.dedent(
             g, u = rows_.double().chunk(2, dim=-1)
             got = G.gemv(x[:1], w, s, 0, None, torch.bfloat16, glu=True)
             assert rel_err(got, g * torch.sigmoid(g) * u) < 2**-7, (N, K)
+    # a product added into a row (the residual) that leaves the RMSNorm of the sum pending, and the next product of
+    # that norm's output (model.py `Normed`); ragged N (the parts' masks), each format on each side
+    for (fmt, N, K, G1), (fmt2, M, G2) in [(("int8", 256, 300, 0), ("int4", 40, 128)), (("int4", 128, 512, 128), ("bf16", 70, 0)), (("bf16", 200, 64, 0), ("int8", 48, 0))]:
+        w1, s1 = rand_weight(gen, N, K, fmt, G1)
+        w2, s2 = rand_weight(gen, M, N, fmt2, G2)
+        res, nw = torch.randn(1, N, generator=gen) * 3, (1 + 0.1 * torch.randn(N, generator=gen)).to(torch.bfloat16)
+        xb = torch.randn(1, K, generator=gen).to(torch.bfloat16)
+        want = res + G.gemv(xb, w1, s1, 0, None, torch.float32)
+        torch.testing.assert_close(G.gemv(xb, w1, s1, 0, None, torch.float32, into=res.clone()), want, rtol=1e-6, atol=1e-5)
+        row = G.gemv(xb, w1, s1, 0, None, torch.float32, into=res, then_norm=(nw, 1e-5))
+        torch.testing.assert_close(res, want, rtol=1e-6, atol=1e-5)  # u: within an ulp (the interpreter rounds to bf16 its own way)
+        torch.testing.assert_close(row.u, (res * nw.float()).to(torch.bfloat16), rtol=2**-7, atol=0)
+        assert abs(row.parts.sum().item() / res.pow(2).sum().item() - 1) < 1e-5, fmt
+        got = G.gemv(row.u, w2, s2, 0, None, torch.float32, norm=row)
+        inv_rms = torch.rsqrt(res.double().pow(2).mean() + 1e-5)
+        tol = 1e-4 if fmt2 == "int4" else 1e-5
+        assert rel_err(got, float64_product(row.u.double() * inv_rms, w2, s2, 0, None)) < tol, (fmt, fmt2)
+        exact = float64_product(want.double() * inv_rms * nw.double(), w2, s2, 0, None)
+        assert rel_err(got, exact) < 2**-7, (fmt, fmt2)  # u's one rounding to bf16, as the norm's kernel rounds
     k = w.shape[1] * 8  # the last case's weight: up to 4 rows of x
     assert G.gemv_ok(torch.randn(4, k), w) and not G.gemv_ok(torch.randn(5, k), w)
     w, s = rand_weight(gen, (H + 2 * KVH) * D, 128, "int4", 64)
@@ -240,6 +259,45 @@ def test_gpu_rope_epilogue_gives_rope_and_cache_bits(fmt, H, KVH, fresh_seed):
         assert torch.equal(mine[0], caches[0]) and torch.equal(mine[1], caches[1]), f"seed {fresh_seed}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16", "int4"])
+def test_gpu_rows_added_in_and_the_norm_left_pending(fmt, fresh_seed):
+    """`into`: the row added into the residual in place; `then_norm`: the RMSNorm of the
+    sum left pending, which the next product (`norm`) takes, against float64, with each epilogue (SwiGLU's and
+    rotary's as the separate kernels give them from the product's rows)."""
+    import numpy as np
+
+    from llmserve.runners.torch.kernels import rotary
+    from llmserve.runners.torch.kernels.activation import swiglu
+    from llmserve.runners.torch.kernels.gemv import RopeCache, gemv
+
+    if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 conversions need sm_89+")
+    H, KVH, D, K, f32 = 32, 8, 128, 4096, torch.float32
+    gen = torch.Generator().manual_seed(fresh_seed)
+    o, qkv = rand_weight(gen, K, H * D, fmt, 0, "cuda"), rand_weight(gen, (H + 2 * KVH) * D, K, fmt, 0, "cuda")
+    res = (torch.randn(1, K, generator=gen) * 4).cuda()
+    nw = (1 + 0.1 * torch.randn(K, generator=gen)).to(torch.bfloat16).cuda()
+    x = torch.randn(1, H * D, generator=gen).to(torch.bfloat16).cuda()
+    want = res + gemv(x, *o, 0, None, f32)  # (the kernel may fuse its scale and the add into one fma)
+    torch.testing.assert_close(gemv(x, *o, 0, None, f32, into=res.clone()), want, rtol=1e-6, atol=1e-5)
+    row = gemv(x, *o, 0, None, f32, into=res, then_norm=(nw, 1e-6))
+    torch.testing.assert_close(res, want, rtol=1e-6, atol=1e-5)
+    assert torch.equal(row.u, (res * nw.float()).to(torch.bfloat16)), f"seed {fresh_seed}"
+    assert abs(row.parts.double().sum().item() / res.double().pow(2).sum().item() - 1) < 1e-6
+    rows = gemv(row.u, *qkv, 0, None, f32, norm=row)
+    inv_rms = torch.rsqrt(res.double().pow(2).mean() + 1e-6)
+    tol = 1e-4 if fmt == "int4" else 1e-5  # (the 4-bit GEMV keeps ~13 bits of each q x, gemv4.py)
+    assert rel_err(rows, float64_product(row.u.double() * inv_rms, *qkv, 0, None)) < tol, f"seed {fresh_seed}"
+    assert torch.equal(gemv(row.u, *qkv, 0, None, torch.bfloat16, glu=True, norm=row), swiglu(rows, torch.bfloat16))
+    cs = rotary.rope_cos_sin(1.0 / 500000 ** (np.arange(0, D, 2) / D), 4096, "cuda")
+    p, sl = torch.tensor([1234], device="cuda"), torch.tensor([77], device="cuda")
+    caches = [torch.zeros(16, KVH, 64, D, device="cuda", dtype=torch.float16) for _ in range(4)]
+    got = gemv(row.u, *qkv, 0, None, f32, rope=RopeCache(p, sl, cs, caches[0], caches[1], H, KVH), norm=row)
+    rotary.rope_and_cache(rows, p, sl, cs, caches[2], caches[3], H, KVH)
+    assert torch.equal(got, rows) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
+
+
 def test_pdl_setting_and_where_it_applies():
     from llmserve.config import Config, ConfigError
     from llmserve.runners.torch.kernels.pdl import pdl_on
@@ -252,10 +310,12 @@ def test_pdl_setting_and_where_it_applies():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("norms", ["kernels", "in_products"])
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16", "int4"])
-def test_gpu_pdl_chain_gives_the_same_bits(fmt, monkeypatch, fresh_seed):
-    """A layer's batch-1 chain (norm, qkv + rotary + cache, o, norm, gate_up + SwiGLU, down) launched with PDL
-    (kernels/pdl.py), eagerly and in a CUDA graph, gives the bits of the chain launched without it."""
+def test_gpu_pdl_chain_gives_the_same_bits(fmt, norms, monkeypatch, fresh_seed):
+    """A layer's batch-1 chain (norm, qkv + rotary + cache, o, norm, gate_up + SwiGLU, down; or with the norms in
+    qkv's and gate_up's products and o's and down's rows added into the residual: model.py's `Normed`) launched with
+    PDL (kernels/pdl.py), eagerly and in a CUDA graph, gives the bits of the chain launched without it."""
     import numpy as np
 
     from llmserve.runners.torch.kernels import rotary
@@ -268,18 +328,27 @@ def test_gpu_pdl_chain_gives_the_same_bits(fmt, monkeypatch, fresh_seed):
     gen = torch.Generator().manual_seed(fresh_seed)
     qkv, o = rand_weight(gen, (H + 2 * KVH) * D, K, fmt, 0, "cuda"), rand_weight(gen, K, H * D, fmt, 0, "cuda")
     gate_up, down = rand_weight(gen, 2 * F, K, fmt, 0, "cuda"), rand_weight(gen, K, F, fmt, 0, "cuda")
-    norms = [(1 + 0.1 * torch.randn(K, generator=gen)).to(bf16).cuda() for _ in range(2)]
+    norms_w = [(1 + 0.1 * torch.randn(K, generator=gen)).to(bf16).cuda() for _ in range(2)]
     cs = rotary.rope_cos_sin(1.0 / 500000 ** (np.arange(0, D, 2) / D), 4096, "cuda")
     pos, slot = torch.tensor([1234], device="cuda"), torch.tensor([777], device="cuda")
     h0 = torch.randn(1, K, generator=gen).cuda()
     res0 = torch.randn(1, K, generator=gen).cuda()
 
     def chain(h, residual, kc, vc):
+        if norms == "in_products":
+            row = gemv(h.to(bf16), *o, 0, None, f32, into=residual, then_norm=(norms_w[0], 1e-5))
+            for _ in range(3):
+                rc = RopeCache(pos, slot, cs, kc, vc, H, KVH)
+                q = gemv(row.u, *qkv, 0, None, f32, rope=rc, norm=row)
+                row = gemv(q[:, : H * D].to(bf16), *o, 0, None, f32, into=residual, then_norm=(norms_w[1], 1e-5))
+                g = gemv(row.u, *gate_up, 0, None, bf16, glu=True, norm=row)
+                row = gemv(g, *down, 0, None, f32, into=residual, then_norm=(norms_w[0], 1e-5))
+            return row.u
         for _ in range(3):
-            x = rms_norm(h, norms[0], 1e-5, residual)
+            x = rms_norm(h, norms_w[0], 1e-5, residual)
             q = gemv(x, *qkv, 0, None, f32, rope=RopeCache(pos, slot, cs, kc, vc, H, KVH))
             h = gemv(q[:, : H * D], *o, 0, None, f32)
-            x = rms_norm(h, norms[1], 1e-5, residual)
+            x = rms_norm(h, norms_w[1], 1e-5, residual)
             h = gemv(gemv(x, *gate_up, 0, None, bf16, glu=True), *down, 0, None, f32)
         return h
 

@@ -136,13 +136,17 @@ def test_greedy_tokens_match_transformers(tmp_path, arch):
 
 def test_step_logits_match_transformers_forward(tmp_path):
     """Prefill chunks and decode logits against a full HF forward of the same tokens (teacher forcing)."""
+    assert_logits_match_transformers(tmp_path, (13, 2, 40))
+
+
+def assert_logits_match_transformers(tmp_path, lengths: tuple[int, ...], max_tokens: int = 6) -> None:
     tiny_checkpoint(tmp_path, "llama", seed=5)
     runner = make_runner(tmp_path, block_bs=4)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).to(runner.device)  # fp32 reference
     rng = np.random.default_rng(9)
     reqs = [
-        Request(f"r{i}", rng.integers(0, 256, size=n).tolist(), SamplingParams(max_tokens=6, temperature=0.0))
-        for i, n in enumerate((13, 2, 40))
+        Request(f"r{i}", rng.integers(0, 256, size=n).tolist(), SamplingParams(max_tokens=max_tokens, temperature=0.0))
+        for i, n in enumerate(lengths)
     ]
     seen: dict[str, list[torch.Tensor]] = {r.req_id: [] for r in reqs}
 
@@ -450,6 +454,22 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
             runner.model.forward(x.input_ids, x.positions, x.slot_mapping, x.meta, runner.kv_cache)
         )
     torch.testing.assert_close(graph_logits, eager, rtol=1e-2, atol=1e-2)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("gemv_norm", [True, False])
+def test_one_stream_decode_matches_transformers(tmp_path, gemv_norm, monkeypatch):
+    """One stream's decode steps run the GEMVs, with the norms in them (model.py `Normed`) or as kernels of their
+    own (LLMSERVE_GEMV_NORM=0): its logits against HF's forward, as above."""
+    from llmserve.runners.torch import model
+
+    monkeypatch.setattr(model, "GEMV_NORM", gemv_norm)
+    tiny_checkpoint(tmp_path, "llama", seed=5)
+    m = make_runner(tmp_path, block_bs=4).model
+    assert m.norms_in_gemvs(torch.zeros(1, m.cfg.hidden_size, device="cuda", dtype=m.dtype)) == gemv_norm
+    assert not m.norms_in_gemvs(torch.zeros(2, m.cfg.hidden_size, device="cuda", dtype=m.dtype))
+    assert_logits_match_transformers(tmp_path, (21,), max_tokens=12)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

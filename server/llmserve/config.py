@@ -343,6 +343,13 @@ class Config:
         _bool,
         doc="the 1-16-row products of gate_up and qkv (GEMV, skinny kernel) do the SwiGLU and the rotary + cache write too",
     )
+    gemv_norm: bool = _setting(
+        "LLMSERVE_GEMV_NORM",
+        True,
+        _bool,
+        doc="one-rank batch-1 decode: the GEMVs of qkv and gate_up take the RMSNorm before them, and those of o and "
+        "down add their row into the residual (no norm kernels)",
+    )
     pdl: bool = _setting(
         "LLMSERVE_PDL",
         True,

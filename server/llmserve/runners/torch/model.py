@@ -7,7 +7,8 @@ cache write, paged attention, output projection, fused residual+RMSNorm,
 gate_up projection, SwiGLU, down projection. The projections are `Linear` layers
 whose quantization method (quant/methods.py: dense, weight-only int8/int4, GPTQ, AWQ,
 FP8) the checkpoint or QUANT_TYPE chose; dense ones go to cuBLAS, quantized ones to
-our GEMMs; the rest are our kernels (kernels/). Embedding and LM head stay dense.
+our GEMMs; the rest are our kernels (kernels/). Embedding and LM head stay dense. At batch 1 on
+one GPU the norms ride in the products' GEMVs instead (`Normed`, LLMSERVE_GEMV_NORM).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import torch
 import torch.nn.functional as F
 from safetensors import safe_open
 
+from llmserve.config import Config
 from llmserve.models.config import ModelConfig
 
 from .kernels.activation import swiglu
 from .kernels.attention import AttnMeta, paged_attention
-from .kernels.gemv import GEMV_FUSE, RopeCache, gemv
+from .kernels.gemv import GEMV_FUSE, NormedRow, RopeCache, gemv
 from .kernels.norm import rms_norm
 from .kernels.rotary import rope_and_cache, rope_cos_sin
 from .kernels.skinny import skinny
@@ -32,6 +34,40 @@ from .kv_cache import KVCache, LayerKV
 from .linear import Linear
 from .parallel import SINGLE, Shard, TensorParallel, embed
 from .quant.methods import LinearMethod, Split, load_linear
+
+# One-rank batch-1 decode: the norms ride in the GEMVs (`Normed`; LLMSERVE_GEMV_NORM, read at import)
+GEMV_NORM = Config.read("gemv_norm")
+
+
+@dataclass(frozen=True)
+class Normed:
+    """RMSNorm(residual) * weight, where the residual is one row (batch-1 decode, one rank). `row`: the norm left
+    pending by the GEMV that added the last product into the residual (kernels/gemv.py `NormedRow`), which the next
+    one-row GEMV takes instead of the norm's kernel; else (the first layer's input, or a product that is not a
+    GEMV) `value()` runs the kernel. `like`: a tensor of the norm output's dtype and rows, to ask a layer whether its
+    product is a GEMV."""
+
+    residual: torch.Tensor  # fp32 [1, hidden]
+    weight: torch.Tensor
+    eps: float
+    like: torch.Tensor
+    row: NormedRow | None = None
+
+    def value(self) -> torch.Tensor:
+        return rms_norm(self.residual, self.weight, self.eps)
+
+    def gemv_args(self, linear: Linear, out_dtype: torch.dtype) -> dict | None:
+        """gemv()'s x, weight, scale (and norm) where `linear`'s product of this is one GEMV without scale blocks."""
+        ops = linear.gemv_operands(self.like, out_dtype)
+        if ops is None or ops[2]:
+            return None
+        if self.row is None:
+            return dict(x=self.value(), weight=ops[0], scale=ops[1])
+        return dict(x=self.row.u, weight=ops[0], scale=ops[1], norm=self.row)
+
+
+def as_tensor(x: torch.Tensor | Normed) -> torch.Tensor:
+    return x.value() if isinstance(x, Normed) else x
 
 
 @dataclass
@@ -142,6 +178,7 @@ class DecoderModel:
         # function on the 8B shape) at no measured speed cost: the extra bytes are activations.
         self.wide = device.type == "cuda" and dtype != torch.float32
         self.out_dtype = torch.float32 if self.wide else dtype
+        self._gemv_layers: bool | None = None  # norms_in_gemvs
 
     def _vocab_rows(self, r: _Reader, name: str) -> torch.Tensor:
         """The embedding / LM head rows this rank holds, zero-padded to ceil(V / N) (parallel.py)."""
@@ -175,6 +212,12 @@ class DecoderModel:
         # The residual stream stays in fp32: in bf16 its rounding, summed over 2 * layers
         # additions, is the largest error of a bf16 forward (a few % of the logits at 32 layers).
         residual = h.float()
+        if self.norms_in_gemvs(h):  # each layer adds its rows into the residual and leaves the next norm pending
+            x = Normed(residual, self.layers[0].in_norm, eps, h)
+            for i, lw in enumerate(self.layers):
+                then = self.layers[i + 1].in_norm if i + 1 < len(self.layers) else None
+                x = self.layer(lw, x, residual, positions, slot_mapping, meta, kv_cache.layer(i), then)
+            return rms_norm(residual, self.norm, eps)
         x = rms_norm(h, self.layers[0].in_norm, eps) if self.layers else h
         for i, lw in enumerate(self.layers):
             if i > 0:
@@ -182,54 +225,99 @@ class DecoderModel:
             h = self.layer(lw, x, residual, positions, slot_mapping, meta, kv_cache.layer(i))
         return self.tp.sum_norm(h, self.norm, eps, residual)
 
+    def norms_in_gemvs(self, h: torch.Tensor) -> bool:
+        """Whether this step's norms ride in its products (`Normed`): one row (batch-1 decode), one rank, on CUDA
+        with the fp32 residual, and layers whose four products are GEMVs (else the norms stay kernels)."""
+        if not (GEMV_NORM and self.wide and self.tp.size == 1 and h.shape[0] == 1 and self.layers):
+            return False
+        if self._gemv_layers is None:  # the same answer for every one-row step: asked once
+            dt = self.out_dtype
+            self._gemv_layers = all(
+                Normed(h, lw.in_norm, 0.0, h).gemv_args(lw.qkv, dt) is not None
+                and all(p.gemv_operands(h, dt) is not None for p in (lw.o, lw.gate_up, lw.down))
+                for lw in self.layers
+            )
+        return self._gemv_layers
+
     def layer(
         self,
         lw: LayerWeights,
-        x: torch.Tensor,
+        x: torch.Tensor | Normed,
         residual: torch.Tensor,
         positions: torch.Tensor,
         slot_mapping: torch.Tensor,
         meta: AttnMeta,
         kv: LayerKV,
-    ) -> torch.Tensor:
+        then: torch.Tensor | None = None,
+    ) -> torch.Tensor | Normed | None:
         """One decoder layer on its normed input `x` [T, hidden]: attention (writing K/V into `kv`,
         KVCache.layer), `residual += attention output`, then the MLP, whose output it returns: this
         rank's part of it, which the caller sums over the ranks and adds to the residual with the next
-        norm (`self.tp.sum_norm`)."""
+        norm (`self.tp.sum_norm`). With `x` a `Normed` (one rank, `norms_in_gemvs`), o and down add their rows
+        into the residual themselves, the post-attention norm rides in gate_up's product, and this returns the
+        next layer's input, `then` (its norm's weight) of the residual, pending (None without `then`)."""
         H, D = self.num_heads, self.head_dim
-        T = x.shape[0]
+        T = x.residual.shape[0] if isinstance(x, Normed) else x.shape[0]
         # q stays fp32 through rotary into attention; k and v are rounded once, into the (fp16) cache.
         qkv = self.qkv_rope(lw.qkv, x, positions, slot_mapping, kv)
         k, v, k_scale, v_scale = kv
         q = qkv[:, : H * D].view(T, H, D)
         attn = paged_attention(q, k, v, meta, self.scale, self.dtype, k_scale, v_scale)
+        if isinstance(x, Normed):
+            post = self.add_product(lw.o, attn.view(T, H * D), x, lw.post_norm)
+            return self.add_product(lw.down, self.gate_up_swiglu(lw.gate_up, post), x, then)
         # o and down are row-parallel: the ranks' parts are summed with the norm after each
         h = self.tp.row_parallel(lw.o, attn.view(T, H * D), self.out_dtype)
         x = self.tp.sum_norm(h, lw.post_norm, self.cfg.rms_norm_eps, residual)
         return self.tp.row_parallel(lw.down, self.gate_up_swiglu(lw.gate_up, x), self.out_dtype)
 
+    def add_product(self, linear: Linear, x: torch.Tensor, at: Normed, then: torch.Tensor | None) -> Normed | None:
+        """`at.residual += linear(x)` (one rank), in the GEMV's epilogue, which also leaves the RMSNorm of weight
+        `then` of the sum pending; that norm as a `Normed` (None without `then`)."""
+        residual, eps = at.residual, self.cfg.rms_norm_eps
+        row = None
+        if (ops := linear.gemv_operands(x, self.out_dtype)) is None:
+            residual += linear(x, self.out_dtype)
+        elif then is None:
+            gemv(x, *ops, None, self.out_dtype, into=residual)
+        else:
+            row = gemv(x, *ops, None, self.out_dtype, into=residual, then_norm=(then, eps))
+        return Normed(residual, then, eps, at.like, row) if then is not None else None
+
     def qkv_rope(
-        self, qkv: Linear, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, kv: LayerKV
+        self, qkv: Linear, x: torch.Tensor | Normed, positions: torch.Tensor, slot_mapping: torch.Tensor, kv: LayerKV
     ) -> torch.Tensor:
         """The qkv projection of the normed `x` with q rotated, and k rotated and v written into the layer's
         cache: over an unquantized cache in the qkv product itself at 1-16 rows of unquantized weights (kernels/gemv.py
         at one row, skinny.py at 2-16, `rope`: the same bits, one kernel fewer a layer), else the product, then
         kernels/rotary.py."""
         k, v, k_scale, v_scale = kv
-        if self.wide and GEMV_FUSE and k_scale is None:
-            rc = RopeCache(positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads)
-            if (ops := qkv.gemv_operands(x, self.out_dtype)) is not None and not ops[2]:
-                return gemv(x, ops[0], ops[1], 0, None, self.out_dtype, rope=rc)
-            if (w := qkv.skinny_operands(x, self.out_dtype)) is not None:
-                return skinny(x, w, None, self.out_dtype, rope=rc)
-        out = qkv(x, self.out_dtype)
+        if isinstance(x, Normed) and (args := x.gemv_args(qkv, self.out_dtype)) is not None:
+            if GEMV_FUSE and k_scale is None:
+                rc = RopeCache(positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads)
+                return gemv(**args, out_dtype=self.out_dtype, rope=rc)
+            out = gemv(**args, out_dtype=self.out_dtype)
+        else:
+            x = as_tensor(x)
+            if self.wide and GEMV_FUSE and k_scale is None:
+                rc = RopeCache(positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads)
+                if (ops := qkv.gemv_operands(x, self.out_dtype)) is not None and not ops[2]:
+                    return gemv(x, ops[0], ops[1], 0, None, self.out_dtype, rope=rc)
+                if (w := qkv.skinny_operands(x, self.out_dtype)) is not None:
+                    return skinny(x, w, None, self.out_dtype, rope=rc)
+            out = qkv(x, self.out_dtype)
         rope_and_cache(out, positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads, k_scale, v_scale)  # fmt: skip
         return out
 
-    def gate_up_swiglu(self, gate_up: Linear, x: torch.Tensor) -> torch.Tensor:
+    def gate_up_swiglu(self, gate_up: Linear, x: torch.Tensor | Normed) -> torch.Tensor:
         """silu(gate) * up of the normed `x`, in the model's dtype: in the gate_up product itself at batch 1 and at
         2-16 rows of unquantized weights (kernels/gemv.py, skinny.py, `glu`: the same bits, one kernel fewer a
         layer), else the product, then SwiGLU."""
+        if isinstance(x, Normed) and (args := x.gemv_args(gate_up, self.out_dtype)) is not None:
+            if GEMV_FUSE:
+                return gemv(**args, out_dtype=self.dtype, glu=True)
+            return swiglu(gemv(**args, out_dtype=self.out_dtype), self.dtype)
+        x = as_tensor(x)
         if self.wide and GEMV_FUSE:
             ops = gate_up.gemv_operands(x, self.out_dtype)
             if ops is not None and not ops[2]:  # (not FP8's 128-row blocks: a program's gate and up rows span two)

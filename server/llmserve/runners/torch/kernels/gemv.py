@@ -27,6 +27,12 @@ for gate_up, silu(gate) * up (a program's rows alternate gate j, up j); or, for 
 into the KV cache as kernels/rotary.py does it (a program's rows pair a head's j and j + D/2). The last two
 give the separate kernels' bits and save their launches (two a layer). gemv_epilogue.py holds them, shared with
 gemv4.py's kernel over 4-bit weights, which `gemv` launches for an int32 weight.
+
+The RMSNorms between a layer's products need no kernel at batch 1 (model.py `Normed`): o's and down's GEMVs add
+their row into the residual stream (`into`) and, from the sum, leave the next norm pending (`then_norm`: the sum
+times the norm's weight, rounded once, and each program's sum of squares: a `NormedRow`); qkv's and gate_up's GEMVs
+read that row as x and multiply their sums by the norm's 1 / rms (`norm`: 1 / rms is a common factor of a row's
+products), from the parts loaded before their main loop and summed in one order.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ import torch
 
 from llmserve.config import Config
 
-from . import use_triton
+from . import next_pow2, use_triton
 from .gemv4 import GEMV4_MAX_M, SCATTER, gemv4_launch
 from .pdl import launch_args, pdl_on
 from .rotary import QUANT_MAX, saturation
@@ -47,7 +53,7 @@ try:
     import triton.language as tl
 
     from .gemv4 import _gemv4_kernel
-    from .gemv_epilogue import gemv_finish, gemv_rows
+    from .gemv_epilogue import gemv_finish, gemv_rows, norm_factor, norm_parts
     from .pdl import pdl_launch_next, pdl_wait
 except ImportError:  # pragma: no cover
     triton = None
@@ -108,6 +114,12 @@ if triton is not None:
         stride_ch,
         num_heads,
         num_kv_heads,
+        norm_parts_ptr,  # NORM: x is a NormedRow's u, and these its parts
+        n_parts,
+        eps,
+        u_ptr,  # NEXT: the NormedRow this leaves (gemv_finish)
+        gn_ptr,
+        parts_ptr,
         HAS_BIAS: tl.constexpr,
         SB: tl.constexpr,
         CONV: tl.constexpr,
@@ -116,7 +128,10 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
         PREFETCH: tl.constexpr,
-        EPI: tl.constexpr,  # what becomes of the row: 0 stored, 1 pushed, 2 SwiGLU, 3 rotary + cache
+        NORM: tl.constexpr,  # x is a pending RMSNorm's row (NormedRow): the product takes its 1 / rms
+        PARTS: tl.constexpr,  # NORM: a power of 2 >= n_parts
+        EPI: tl.constexpr,  # what becomes of the row: 0 stored, 1 pushed, 2 SwiGLU, 3 rotary + cache, 4 added in
+        NEXT: tl.constexpr,  # EPI 4: and leaves the next norm's NormedRow
         RANK: tl.constexpr,  # EPI 1
         WORLD: tl.constexpr,
         HALF: tl.constexpr,  # EPI 3: half the head dim
@@ -134,6 +149,7 @@ if triton is not None:
         acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         w = _load_tile(w_ptrs, 0, n_ok, rk, K, EVEN_N, EVEN_K)  # weights: before the wait (pdl.py)
         pdl_wait(PDL)
+        parts = norm_parts(norm_parts_ptr, n_parts, NORM, PARTS)
         if PREFETCH:  # the next tile's loads are in flight while this one is multiplied
             for k in range(0, K, BLOCK_K):
                 w_next = _load_tile(w_ptrs + BLOCK_K, k + BLOCK_K, n_ok, rk, K, EVEN_N, False)
@@ -150,10 +166,12 @@ if triton is not None:
         y = tl.sum(acc, axis=1)
         if SB == 0:  # SB < 0: no scale (bf16 weights)
             y *= tl.load(s_ptr + rn, mask=n_ok, other=0.0)
+        if NORM:
+            y *= norm_factor(parts, K, eps)
         gemv_finish(
             y, rn, n_ok, pid, N, b_ptr, out_ptr, bases_ptr, epochs_ptr, slot, pos_ptr, slot_ptr, cs_ptr, k_cache_ptr,
-            v_cache_ptr, stride_cb, stride_ch, num_heads, num_kv_heads, HAS_BIAS, EPI, RANK, WORLD, HALF, CACHE_BLOCK,
-            LIMIT, BLOCK_N,
+            v_cache_ptr, stride_cb, stride_ch, num_heads, num_kv_heads, u_ptr, gn_ptr, parts_ptr, HAS_BIAS, EPI, NEXT,
+            RANK, WORLD, HALF, CACHE_BLOCK, LIMIT, BLOCK_N,
         )  # fmt: skip
 
 
@@ -216,6 +234,18 @@ class RopeCache:
     num_kv_heads: int
 
 
+@dataclass(frozen=True)
+class NormedRow:
+    """An RMSNorm of one row x, pending: `u` = x * the norm's weight (its dtype) and `parts`, the sums of the squares
+    of x's parts (fp32, one a program of the GEMV that left it: `gemv(into=, then_norm=)`). The norm's output is
+    u / rms(x), and a GEMV that reads it (`gemv(norm=)`) takes the 1 / rms after its sum: the norm needs no kernel
+    of its own. (u is rounded once, as the norm's kernel rounds its output; 1 / rms is applied in fp32.)"""
+
+    u: torch.Tensor  # [1, K]
+    parts: torch.Tensor  # fp32 [programs]
+    eps: float
+
+
 def rope_operands(rope: RopeCache | None, N: int, filler: torch.Tensor) -> tuple[tuple, int, int, float]:
     """(the kernel's rope operands, HALF, CACHE_BLOCK, LIMIT) of `rope` for a qkv product of N rows (the GEMVs',
     kernels/skinny.py's); without one, placeholders (`filler`: any tensor, never read)."""
@@ -243,7 +273,10 @@ def gemv(
     push: tuple[torch.Tensor, torch.Tensor, int, int, int] | None = None,
     glu: bool = False,
     rope: RopeCache | None = None,
-) -> torch.Tensor | None:
+    norm: NormedRow | None = None,
+    into: torch.Tensor | None = None,
+    then_norm: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor | NormedRow | None:
     """x [1, K] @ (weight [N, K] int8 or float8_e4m3fn, times scale).T (+ bias [N]) -> [1, N] in out_dtype
     (default x's). scale: fp32 [N] (block 0), or [ceil(N / block), ceil(K / block)]; None with a bf16/fp16
     weight (unquantized layers, the LM head). 4-bit weights: `weight` int32 [N, K // 8] and `scale` int32
@@ -255,8 +288,12 @@ def gemv(
     glu: the weight is a gate | up projection [2n, K], and the result is silu(gate) * up [1, n] in out_dtype;
     rope: the weight is a qkv projection, and the result is what `rope_and_cache` leaves of it (q rotated),
       the rotated k and v written into the cache.
+    into: a [1, N] tensor the result is added into, in place (returned): a projection's row into the residual
+      stream (model.py `Normed`); with then_norm (the next RMSNorm's weight [N], eps), it returns that norm of
+      the sum, pending (`NormedRow`), instead.
     glu and rope compute from the same fp32 rows as the product alone (the same launch), then as the
-    separate kernel does: its bits."""
+    separate kernel does: its bits. With any of them, norm: x is that NormedRow's u, and the product is of the
+    norm's output (one row)."""
     N, K = weight.shape
     w4 = weight.dtype == torch.int32  # 4-bit weights: gemv4.py's operands, `scale` their scale-and-zero words
     if w4:
@@ -272,33 +309,49 @@ def gemv(
         block_n, block_k, warps, prefetch = config or gemv_launch(N, weight.element_size())
     if block % block_n:
         raise ValueError(f"gemv: BLOCK_N={block_n} does not divide the scale block {block}")
-    epi = 1 if push is not None else 2 if glu else 3 if rope is not None else 0
-    if (push is not None) + glu + (rope is not None) > 1 or (epi > 1 and (N % 2 or block_n % 2 or block)):
-        raise ValueError("gemv: one of push, glu, rope; glu and rope take pairs of rows (an even N, no scale blocks)")
-    if epi and rows > 1:
-        raise ValueError("gemv: push, glu and rope take one row")
+    epi = 1 if push is not None else 2 if glu else 3 if rope is not None else 4 if into is not None else 0
+    pairs = epi in (2, 3)
+    if (push is not None) + glu + (rope is not None) + (into is not None) > 1 or (pairs and (N % 2 or block_n % 2 or block)):  # fmt: skip
+        raise ValueError("gemv: one of push, glu, rope, into; glu and rope take pairs of rows (an even N, no scale blocks)")  # fmt: skip
+    if (epi or norm is not None) and rows > 1:
+        raise ValueError("gemv: push, glu, rope, into and norm take one row")
+    if into is not None and (into.shape != (1, N) or not into.is_contiguous()):
+        raise ValueError(f"gemv: into {tuple(into.shape)} is not a contiguous [1, {N}]")
+    if then_norm is not None and (into is None or then_norm[0].shape != (N,)):
+        raise ValueError("gemv: then_norm takes into, and a weight of its N")
     if conv is None:
         conv = 1 if weight.dtype == torch.int8 else 0
     x = x.contiguous()
     if scale is not None:
         scale = scale.contiguous()
     n_out = N // 2 if glu else N
-    out = weight if push is not None else torch.empty(rows, n_out, dtype=out_dtype or x.dtype, device=x.device)
+    if into is not None:
+        out = into
+    else:
+        out = weight if push is not None else torch.empty(rows, n_out, dtype=out_dtype or x.dtype, device=x.device)
     bases, epochs, rank, world, slot = push or (weight, weight, 0, 1, 0)
     rope_args, half, cache_block, limit = rope_operands(rope, N, weight)
-    per_program = block_n // 2 if epi > 1 else block_n  # outputs (glu), pairs (rope) or rows a program
-    count = N // 2 if epi > 1 else N
-    epilogue = dict(EPI=epi, RANK=rank, WORLD=world, HALF=half, CACHE_BLOCK=cache_block, LIMIT=limit)
+    per_program = block_n // 2 if pairs else block_n  # outputs (glu), pairs (rope) or rows a program
+    count = N // 2 if pairs else N
     grid = (triton.cdiv(count, per_program),)
+    left = None
+    if then_norm is not None:
+        gn = then_norm[0]
+        left = NormedRow(torch.empty(1, N, dtype=gn.dtype, device=x.device), torch.empty(grid[0], device=x.device), then_norm[1])  # fmt: skip
+    norm_args = (norm.parts, norm.parts.numel(), norm.eps) if norm is not None else (weight, 0, 0.0)
+    next_args = (left.u, gn, left.parts) if left is not None else (weight,) * 3
+    epilogue = dict(EPI=epi, NEXT=left is not None, RANK=rank, WORLD=world, HALF=half, CACHE_BLOCK=cache_block, LIMIT=limit)  # fmt: skip
+    normed = dict(NORM=norm is not None, PARTS=next_pow2(norm.parts.numel()) if norm is not None else 1)
+    result = left if left is not None else None if push is not None else out
     bias_arg = bias if bias is not None else weight
     if w4:  # (not launched with PDL: pdl.py)
         _gemv4_kernel[grid](
             x, weight, scale, bias_arg, out, n_out, K, weight.stride(0), scale.stride(0), x.stride(0),
-            out.stride(0) if push is None else 0, bases, epochs, slot, *rope_args,
-            HAS_BIAS=bias is not None, EVEN_N=count % per_program == 0, ROWS=rows, BLOCK_N=block_n, GPT=gpt,
+            out.stride(0) if push is None else 0, bases, epochs, slot, *rope_args, *norm_args, *next_args,
+            HAS_BIAS=bias is not None, EVEN_N=count % per_program == 0, ROWS=rows, **normed, BLOCK_N=block_n, GPT=gpt,
             WG=K // scale.shape[1] // 8, SCATTER=SCATTER, **epilogue, num_warps=warps, num_stages=1,
         )  # fmt: skip
-        return None if push is not None else out
+        return result
     _gemv_kernel[grid](
         x,
         weight,
@@ -313,6 +366,8 @@ def gemv(
         epochs,
         slot,
         *rope_args,
+        *norm_args,
+        *next_args,
         HAS_BIAS=bias is not None,
         SB=block if scale is not None else -1,
         CONV=conv,
@@ -321,10 +376,11 @@ def gemv(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         PREFETCH=bool(prefetch),
+        **normed,
         **epilogue,
         PDL=(pdl := pdl_on(x)),
         num_warps=warps,
         num_stages=1,
         **launch_args(pdl),
     )
-    return None if push is not None else out
+    return result

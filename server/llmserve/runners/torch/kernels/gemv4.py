@@ -34,7 +34,7 @@ try:
     import triton
     import triton.language as tl
 
-    from .gemv_epilogue import gemv_finish, gemv_rows
+    from .gemv_epilogue import gemv_finish, gemv_rows, norm_factor, norm_parts
 except ImportError:  # pragma: no cover
     triton = None
 
@@ -104,14 +104,23 @@ if triton is not None:
         stride_ch,
         num_heads,
         num_kv_heads,
+        norm_parts_ptr,  # NORM: x is a NormedRow's u, and these its parts
+        n_parts,
+        eps,
+        u_ptr,  # NEXT: the NormedRow this leaves (gemv_finish)
+        gn_ptr,
+        parts_ptr,
         HAS_BIAS: tl.constexpr,
         EVEN_N: tl.constexpr,
-        ROWS: tl.constexpr,  # 1..4; the epilogues at 1
+        ROWS: tl.constexpr,  # 1..4; the epilogues, NORM and NEXT at 1
+        NORM: tl.constexpr,  # as gemv.py's kernel
+        PARTS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         GPT: tl.constexpr,  # groups a tile (K // G a multiple of it)
         WG: tl.constexpr,  # words a group: G // 8
         SCATTER: tl.constexpr,
         EPI: tl.constexpr,
+        NEXT: tl.constexpr,
         RANK: tl.constexpr,
         WORLD: tl.constexpr,
         HALF: tl.constexpr,
@@ -140,6 +149,7 @@ if triton is not None:
         else:
             w_next = tl.load(w_ptrs, mask=mask_w, other=0)
             sz_next = tl.load(sz_ptrs, mask=mask_sz, other=0)
+        parts = norm_parts(norm_parts_ptr, n_parts, NORM, PARTS)
         for k in range(0, K, step):
             w, sz = w_next, sz_next
             more = k + step < K  # the next tile's loads are in flight while this one is converted and multiplied
@@ -159,10 +169,12 @@ if triton is not None:
             sz_ptrs += GPT
             x_ptrs += step
         y = tl.sum(tl.sum(acc0, axis=0), axis=0)
+        if NORM:
+            y *= norm_factor(parts, K, eps)
         gemv_finish(
             y, rn, n_ok, pid, N, b_ptr, out_ptr, bases_ptr, epochs_ptr, slot, pos_ptr, slot_ptr, cs_ptr, k_cache_ptr,
-            v_cache_ptr, stride_cb, stride_ch, num_heads, num_kv_heads, HAS_BIAS, EPI, RANK, WORLD, HALF, CACHE_BLOCK,
-            LIMIT, BLOCK_N,
+            v_cache_ptr, stride_cb, stride_ch, num_heads, num_kv_heads, u_ptr, gn_ptr, parts_ptr, HAS_BIAS, EPI, NEXT,
+            RANK, WORLD, HALF, CACHE_BLOCK, LIMIT, BLOCK_N,
         )  # fmt: skip
         if ROWS > 1:
             _store_row(acc1, rn, n_ok, b_ptr, out_ptr + stride_om, HAS_BIAS)

@@ -1,6 +1,6 @@
 """What the batch-1 GEMVs (gemv.py over 8/16-bit weights, gemv4.py over 4-bit ones) share: which rows a program
-owns, and what becomes of its finished rows (gemv.py's docstring: stored, pushed into a fused sum, SwiGLU, or
-rotary + cache write)."""
+owns, and what becomes of its finished rows (gemv.py's docstring: stored, pushed into a fused sum, SwiGLU, rotary + cache
+write, or added into the output), and the pending RMSNorm that a GEMV reads or leaves (gemv.py: `NormedRow`)."""
 
 from __future__ import annotations
 
@@ -32,6 +32,19 @@ if triton is not None:
         return rn, rn < N
 
     @triton.jit
+    def norm_parts(parts_ptr, n_parts, NORM: tl.constexpr, PARTS: tl.constexpr):
+        """The sums of squares of a pending norm's input (NormedRow.parts: one a program of the GEMV that left it),
+        loaded before the main loop, so that their latency hides behind the weights'."""
+        if NORM:
+            return tl.load(parts_ptr + tl.arange(0, PARTS), mask=tl.arange(0, PARTS) < n_parts, other=0.0)
+        return tl.zeros((PARTS,), dtype=tl.float32)
+
+    @triton.jit
+    def norm_factor(parts, K, eps):
+        """1 / rms of the norm's input row from its parts, summed in one order: the same bits in every program."""
+        return tl.rsqrt(tl.sum(parts, axis=0) / K + eps)
+
+    @triton.jit
     def gemv_finish(
         y,  # fp32 [BLOCK_N]: the program's rows, scaled
         rn,
@@ -52,8 +65,12 @@ if triton is not None:
         stride_ch,
         num_heads,
         num_kv_heads,
+        u_ptr,  # NEXT: the next norm's pending row (x * its weight) and its parts (NormedRow)
+        gn_ptr,
+        parts_ptr,
         HAS_BIAS: tl.constexpr,
-        EPI: tl.constexpr,  # 0 stored, 1 pushed, 2 SwiGLU, 3 rotary + cache
+        EPI: tl.constexpr,  # 0 stored, 1 pushed, 2 SwiGLU, 3 rotary + cache, 4 added into the output
+        NEXT: tl.constexpr,  # EPI 4: and the sum left for the next RMSNorm (gemv.py `NormedRow`)
         RANK: tl.constexpr,
         WORLD: tl.constexpr,
         HALF: tl.constexpr,
@@ -78,4 +95,11 @@ if triton is not None:
                 stride_ch, num_heads, num_kv_heads, HALF, CACHE_BLOCK, LIMIT,
             )  # fmt: skip
         else:
+            if EPI == 4:  # added into the output in place (a projection's row into the residual stream)
+                y += tl.load(out_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             tl.store(out_ptr + rn, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+            if NEXT:  # the sum (the next norm's input): times the norm's weight, and its part of the squares
+                y = tl.where(n_ok, y.to(out_ptr.dtype.element_ty).to(tl.float32), 0.0)
+                g = tl.load(gn_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+                tl.store(u_ptr + rn, (y * g).to(u_ptr.dtype.element_ty), mask=n_ok)
+                tl.store(parts_ptr + pid, tl.sum(y * y, axis=0))
