@@ -30,7 +30,7 @@ from .kv_cache import kv_spec_for
 from .model import DecoderModel
 from .mtp import MTPHead
 from .parallel import SINGLE, TensorParallel, check_shardable
-from .quant.methods import W4, method_for
+from .quant.methods import method_for
 from .sampler import DeviceSampler
 
 log = logging.getLogger(__name__)
@@ -88,10 +88,10 @@ class TorchRunner(ModelRunner):
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
         method = method_for(model_dir, config, self.device, self.dtype)
-        # PDL (kernels/pdl.py): int4's decode chain was slower with it or no faster; several ranks: not measured
-        if pdl.PDL_ON and (isinstance(method, W4) or tp.size > 1):
+        # PDL (kernels/pdl.py): with several ranks not measured
+        if pdl.PDL_ON and tp.size > 1:
             pdl.PDL_ON = False
-            log.info("decode kernels launched without PDL (%s)", "int4 weights" if tp.size == 1 else "MP_NUM > 1")
+            log.info("decode kernels launched without PDL (MP_NUM > 1)")
         self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1, method, tp)
         # Shapes below are this rank's (its heads, KV heads); vocabulary and layers are the model's.
         self.model_config = mc = self.model.local

@@ -12,9 +12,11 @@ RMSNorm, paged attention and its merge; and the skinny products of a verificatio
 ask L2 for their first weight tiles before the wait, as their loads are copies the compiler pipelines
 (docs/speculative.md, runs 138-140). The small kernels let the next one launch once they have waited, the
 GEMV after its main loop (int8 3.43 ms a step, 3.59 without PDL, run 130; every kernel signalling after its wait,
-or every one at its end, gained less in runs 127-129). Not with int4 weights (the runner turns it off): with the 4-bit GEMV launched with PDL the step was 2-11%
-slower, and with only the other kernels between 3% faster and 11% slower from one H100 to the next. Nor with
-several ranks (MP_NUM > 1; the runner turns it off): not measured there.
+or every one at its end, gained less in runs 127-129). Not the 4-bit GEMV: launched with PDL the step was 2-11%
+slower. With int4 weights the other kernels are (attention and its merge, between the 4-bit GEMVs once the norms
+rode in the GEMVs: 2.78 ms a step against 2.87, twice each on one H100, run 160; with the norm kernels still
+between them it had been 3% faster to 11% slower from one H100 to the next, runs 128-131). Not with several ranks
+(MP_NUM > 1; the runner turns it off): not measured there.
 
 Safety: every kernel launched with PDL waits before it reads an activation or writes anything, so no write
 races a reader of the kernel before, and each kernel ends after the one before it: a chain keeps stream order.
