@@ -56,10 +56,15 @@ class Normed:
     def value(self) -> torch.Tensor:
         return rms_norm(self.residual, self.weight, self.eps)
 
-    def gemv_args(self, linear: Linear, out_dtype: torch.dtype) -> dict | None:
-        """gemv()'s x, weight, scale (and norm) where `linear`'s product of this is one GEMV without scale blocks."""
+    def gemv_ops(self, linear: Linear, out_dtype: torch.dtype) -> tuple | None:
+        """`linear`'s GEMV operands where its product of this is one GEMV without scale blocks (nothing computed)."""
         ops = linear.gemv_operands(self.like, out_dtype)
-        if ops is None or ops[2]:
+        return None if ops is None or ops[2] else ops
+
+    def gemv_args(self, linear: Linear, out_dtype: torch.dtype) -> dict | None:
+        """gemv()'s x, weight, scale (and norm) where `gemv_ops` has them: the norm computed here if no GEMV left
+        it pending."""
+        if (ops := self.gemv_ops(linear, out_dtype)) is None:
             return None
         if self.row is None:
             return dict(x=self.value(), weight=ops[0], scale=ops[1])
@@ -233,7 +238,7 @@ class DecoderModel:
         if self._gemv_layers is None:  # the same answer for every one-row step: asked once
             dt = self.out_dtype
             self._gemv_layers = all(
-                Normed(h, lw.in_norm, 0.0, h).gemv_args(lw.qkv, dt) is not None
+                Normed(h, lw.in_norm, 0.0, h).gemv_ops(lw.qkv, dt) is not None
                 and all(p.gemv_operands(h, dt) is not None for p in (lw.o, lw.gate_up, lw.down))
                 for lw in self.layers
             )

@@ -319,6 +319,8 @@ def gemv(
         raise ValueError(f"gemv: into {tuple(into.shape)} is not a contiguous [1, {N}]")
     if then_norm is not None and (into is None or then_norm[0].shape != (N,)):
         raise ValueError("gemv: then_norm takes into, and a weight of its N")
+    if norm is not None and x.data_ptr() != norm.u.data_ptr():
+        raise ValueError("gemv: with norm, x is its u")
     if conv is None:
         conv = 1 if weight.dtype == torch.int8 else 0
     x = x.contiguous()

@@ -2,7 +2,8 @@
 
 A decode step's products with few rows are bound by how fast the weights stream, and 4-bit weights carry twice
 int8's weights a byte, so their conversion must cost few instructions. `gemv` (gemv.py) launches this kernel for
-an int32 weight, with gemv.py's row epilogues (push, SwiGLU, rotary + cache) at one row. Operands, made once at
+an int32 weight, with gemv.py's row epilogues (push, SwiGLU, rotary + cache, added in; the pending norm read or
+left: `NormedRow`) at one row. Operands, made once at
 load from the canonical w4 of quant/__init__.py (`gemv4_operands`):
 
 - `weight` int32 [N, K // 8]: a word holds 8 consecutive k of a row, q[n, 8w + j] in bits 4j .. 4j+3 (canonical
