@@ -289,6 +289,14 @@ class DecoderModel:
             row = gemv(x, *ops, None, self.out_dtype, into=residual, then_norm=(then, eps))
         return Normed(residual, then, eps, at.like, row) if then is not None else None
 
+    def gemv_args(self, linear: Linear, x: torch.Tensor | Normed) -> dict | None:
+        """gemv()'s x, weight, scale (and a pending norm) where `linear`'s product of `x` is one GEMV without scale
+        blocks (kernels/gemv.py), else None."""
+        if isinstance(x, Normed):
+            return x.gemv_args(linear, self.out_dtype)
+        ops = linear.gemv_operands(x, self.out_dtype)
+        return None if ops is None or ops[2] else dict(x=x, weight=ops[0], scale=ops[1])
+
     def qkv_rope(
         self, qkv: Linear, x: torch.Tensor | Normed, positions: torch.Tensor, slot_mapping: torch.Tensor, kv: LayerKV
     ) -> torch.Tensor:
@@ -297,19 +305,17 @@ class DecoderModel:
         at one row, skinny.py at 2-16, `rope`: the same bits, one kernel fewer a layer), else the product, then
         kernels/rotary.py."""
         k, v, k_scale, v_scale = kv
-        if isinstance(x, Normed) and (args := x.gemv_args(qkv, self.out_dtype)) is not None:
-            if GEMV_FUSE and k_scale is None:
-                rc = RopeCache(positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads)
-                return gemv(**args, out_dtype=self.out_dtype, rope=rc)
-            out = gemv(**args, out_dtype=self.out_dtype)
+        rc = None
+        if self.wide and GEMV_FUSE and k_scale is None:
+            rc = RopeCache(positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads)
+        if (args := self.gemv_args(qkv, x)) is not None:
+            out = gemv(**args, out_dtype=self.out_dtype, rope=rc)
+            if rc is not None:
+                return out
         else:
             x = as_tensor(x)
-            if self.wide and GEMV_FUSE and k_scale is None:
-                rc = RopeCache(positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads)
-                if (ops := qkv.gemv_operands(x, self.out_dtype)) is not None and not ops[2]:
-                    return gemv(x, ops[0], ops[1], 0, None, self.out_dtype, rope=rc)
-                if (w := qkv.skinny_operands(x, self.out_dtype)) is not None:
-                    return skinny(x, w, None, self.out_dtype, rope=rc)
+            if rc is not None and (w := qkv.skinny_operands(x, self.out_dtype)) is not None:
+                return skinny(x, w, None, self.out_dtype, rope=rc)
             out = qkv(x, self.out_dtype)
         rope_and_cache(out, positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads, k_scale, v_scale)  # fmt: skip
         return out
@@ -317,18 +323,16 @@ class DecoderModel:
     def gate_up_swiglu(self, gate_up: Linear, x: torch.Tensor | Normed) -> torch.Tensor:
         """silu(gate) * up of the normed `x`, in the model's dtype: in the gate_up product itself at batch 1 and at
         2-16 rows of unquantized weights (kernels/gemv.py, skinny.py, `glu`: the same bits, one kernel fewer a
-        layer), else the product, then SwiGLU."""
-        if isinstance(x, Normed) and (args := x.gemv_args(gate_up, self.out_dtype)) is not None:
-            if GEMV_FUSE:
+        layer; not with FP8's 128-row blocks, where a program's gate and up rows span two), else the product, then
+        SwiGLU."""
+        fuse = self.wide and GEMV_FUSE
+        if (args := self.gemv_args(gate_up, x)) is not None:
+            if fuse:
                 return gemv(**args, out_dtype=self.dtype, glu=True)
             return swiglu(gemv(**args, out_dtype=self.out_dtype), self.dtype)
         x = as_tensor(x)
-        if self.wide and GEMV_FUSE:
-            ops = gate_up.gemv_operands(x, self.out_dtype)
-            if ops is not None and not ops[2]:  # (not FP8's 128-row blocks: a program's gate and up rows span two)
-                return gemv(x, ops[0], ops[1], 0, None, self.dtype, glu=True)
-            if (w := gate_up.skinny_operands(x, self.out_dtype)) is not None:
-                return skinny(x, w, None, self.dtype, glu=True)
+        if fuse and (w := gate_up.skinny_operands(x, self.out_dtype)) is not None:
+            return skinny(x, w, None, self.dtype, glu=True)
         return swiglu(gate_up(x, self.out_dtype), self.dtype)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
