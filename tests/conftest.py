@@ -25,10 +25,28 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(skip)
 
 
+def new_seed(request: pytest.FixtureRequest, bits: int = 30) -> int:
+    """A new random seed, kept on the fixture's node so that a failing test's report names it."""
+    seed = random.SystemRandom().randrange(1 << bits)
+    node = request.node
+    node.random_seeds = [*getattr(node, "random_seeds", []), f"{request.fixturename}={seed}"]
+    return seed
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    if report.failed:
+        seeds = [s for node in item.listchain() for s in getattr(node, "random_seeds", [])]
+        if seeds:
+            report.sections.append(("random seeds", " ".join(seeds)))
+    return report
+
+
 @pytest.fixture
-def fresh_seed() -> int:
-    """A new seed each run (printed on failure by pytest's -ra through the test id's locals)."""
-    return random.SystemRandom().randrange(1 << 30)
+def fresh_seed(request) -> int:
+    """A new seed each run; a failure's report names it (section "random seeds")."""
+    return new_seed(request)
 
 
 @pytest.fixture(scope="session")

@@ -6,6 +6,7 @@ import random
 from pathlib import Path
 
 import pytest
+from conftest import new_seed
 
 from llmserve.engine.detokenizer import MAX_INVISIBLE, MAX_PENDING, IncrementalDetokenizer
 from llmserve.engine.tokenizer import Tokenizer, load_tokenizer
@@ -28,10 +29,8 @@ def random_text(rng: random.Random, max_len: int = 30) -> str:
 
 
 @pytest.fixture(scope="module")
-def rng() -> random.Random:
-    seed = random.SystemRandom().randrange(2**32)
-    print(f"random seed {seed}")
-    return random.Random(seed)
+def rng(request) -> random.Random:
+    return random.Random(new_seed(request, 32))
 
 
 @pytest.fixture(scope="module")

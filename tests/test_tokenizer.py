@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import new_seed
 
 from llmserve.engine.tokenizer import ChatTemplateError, TokenizerNotFoundError, load_tokenizer
 from llmserve.models.demo_tokenizer import (
@@ -43,10 +44,8 @@ def random_text(rng: random.Random, max_len: int = 40) -> str:
 
 
 @pytest.fixture(scope="module")
-def rng() -> random.Random:
-    seed = random.SystemRandom().randrange(2**32)
-    print(f"random seed {seed}")
-    return random.Random(seed)
+def rng(request) -> random.Random:
+    return random.Random(new_seed(request, 32))
 
 
 @pytest.fixture(scope="module")
