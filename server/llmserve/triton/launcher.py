@@ -216,6 +216,9 @@ def triton_command(
             "--allow-metrics=true",
             "--allow-gpu-metrics=false",
             "--allow-cpu-metrics=true",
+            # The CPU poller's period: tritonserver's exit joins it, so the default 2 s cost every stop
+            # up to 2 s (1 s on average); two /proc reads 4 times a second cost nothing.
+            "--metrics-interval-ms=250",
         ]
     else:
         argv += ["--allow-metrics=false"]
