@@ -17,8 +17,12 @@ $(BIN)/llmserve: pyproject.toml
 	$(BIN)/pip install -q -e ".[serve,test]"
 	touch $@
 
+# Test files run on TEST_WORKERS processes (pytest-xdist, a file per process: a file's module-scoped
+# stack stays in one), then the tests marked `serial`, which check machine-wide state, alone.
+TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests
+	$(BIN)/python -m pytest -q -m serial tests
 
 lint: venv
 	$(BIN)/ruff check server tests scripts download_model.py

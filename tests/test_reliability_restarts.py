@@ -13,6 +13,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import pytest
 import requests
 
 from llmserve.serving.control import _group_members
@@ -40,6 +41,7 @@ def one(base: str, i: int) -> int:
     return r.json()["usage"]["completion_tokens"]
 
 
+@pytest.mark.serial  # its /dev/shm check sees every process's regions
 def test_start_load_stop_cycles_leave_nothing_behind(tmp_path):
     stack = http_stack(tmp_path, PUSH_MODE_HTTP_WORKERS=2, MAX_SEQ_LEN=1024, MAX_DEC_LEN=64, BLOCK_BS=8)
     shm_before = shm()
