@@ -446,6 +446,7 @@ def main() -> None:
 
     def drain(*_):
         server.draining = True
+        server.next_hb = 0.0  # the supervisor's drain waits for a heartbeat that says so: send it now
         log.info("draining: new requests get 503, %d in flight finish", len(server.live))
 
     signal.signal(signal.SIGTERM, stop)
