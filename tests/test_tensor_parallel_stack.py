@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -31,6 +32,7 @@ def test_stack_with_two_ranks_survives_a_killed_worker(tmp_path, llama_dir):  # 
         code, n, msg, _ = stream(stack, 8, "first")
         assert (code, n) == (0, 8), msg
         (worker,) = find(stack, "llmserve.dist.worker")
+        assert find_all("llmserve.dist.worker", tmp_path) == [worker]  # find_all sees the stack's own workers
         with ThreadPoolExecutor(4) as pool:
             futs = [pool.submit(stream, stack, 380, f"tp-{i}") for i in range(4)]
             time.sleep(1.0)  # all running
@@ -62,18 +64,24 @@ def test_stack_with_two_ranks_survives_a_killed_worker(tmp_path, llama_dir):  # 
         print(f"worker hang: request ended {ended:.1f} s after it ({msg}), serving again {back:.1f} s later")
     finally:
         stack.stop()
-    assert not find_all("llmserve.dist.worker")
+    assert not find_all("llmserve.dist.worker", tmp_path)
 
 
-def find_all(word: str) -> list[int]:
+def find_all(word: str, log_root: Path) -> list[int]:
+    """Every process on the machine with `word` in its command line and a LOG_DIR under `log_root` (a
+    stack's processes inherit it, however they were started; other tests' stacks have theirs)."""
     out = []
     for d in os.listdir("/proc"):
         if d.isdigit():
             try:
-                if word in open(f"/proc/{d}/cmdline", "rb").read().decode(errors="replace"):
-                    out.append(int(d))
+                if word not in open(f"/proc/{d}/cmdline", "rb").read().decode(errors="replace"):
+                    continue
+                env = open(f"/proc/{d}/environ", "rb").read().split(b"\0")
             except OSError:
-                pass
+                continue
+            log_dirs = [Path(e[len(b"LOG_DIR=") :].decode(errors="replace")) for e in env if e.startswith(b"LOG_DIR=")]
+            if log_dirs and log_dirs[0].is_relative_to(log_root):
+                out.append(int(d))
     return out
 
 
@@ -91,13 +99,13 @@ def test_two_nodes_on_loopback_serve_through_node_0(tmp_path, llama_dir):  # noq
         node0.start()
         code, n, msg, _ = stream(node0, 12, "two nodes")
         assert (code, n) == (0, 12), msg
-        assert len(find_all("llmserve.dist.worker")) == 1  # rank 1, node 1's: node 0 starts none
+        assert len(find_all("llmserve.dist.worker", tmp_path)) == 1  # rank 1, node 1's: node 0 starts none
     finally:
         node0.stop()
         r = subprocess.run([str(ROOT / "stop_server.sh")], env=env1, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     deadline = time.monotonic() + 10
-    while find_all("llmserve.dist") and time.monotonic() < deadline:
+    while find_all("llmserve.dist", tmp_path) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not find_all("llmserve.dist"), "a node's launcher or worker outlived stop_server.sh"
+    assert not find_all("llmserve.dist", tmp_path), "a node's launcher or worker outlived stop_server.sh"
     assert ServingStack  # (imported for type context)
