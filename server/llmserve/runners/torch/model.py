@@ -39,6 +39,13 @@ from .quant.methods import LinearMethod, Split, load_linear
 GEMV_NORM = Config.read("gemv_norm")
 
 
+def one_gemv(linear: Linear, x: torch.Tensor, out_dtype: torch.dtype) -> tuple | None:
+    """`linear`'s GEMV operands (weight, scale) where its product of x (or of a tensor of x's dtype and rows) is one
+    GEMV without scale blocks (kernels/gemv.py), else None; nothing is computed."""
+    ops = linear.gemv_operands(x, out_dtype)
+    return None if ops is None or ops[2] else ops[:2]
+
+
 @dataclass(frozen=True)
 class Normed:
     """RMSNorm(residual) * weight, where the residual is one row (batch-1 decode, one rank). `row`: the norm left
@@ -56,15 +63,10 @@ class Normed:
     def value(self) -> torch.Tensor:
         return rms_norm(self.residual, self.weight, self.eps)
 
-    def gemv_ops(self, linear: Linear, out_dtype: torch.dtype) -> tuple | None:
-        """`linear`'s GEMV operands where its product of this is one GEMV without scale blocks (nothing computed)."""
-        ops = linear.gemv_operands(self.like, out_dtype)
-        return None if ops is None or ops[2] else ops
-
     def gemv_args(self, linear: Linear, out_dtype: torch.dtype) -> dict | None:
-        """gemv()'s x, weight, scale (and norm) where `gemv_ops` has them: the norm computed here if no GEMV left
+        """gemv()'s x, weight, scale (and norm) where `one_gemv` has them: the norm computed here if no GEMV left
         it pending."""
-        if (ops := self.gemv_ops(linear, out_dtype)) is None:
+        if (ops := one_gemv(linear, self.like, out_dtype)) is None:
             return None
         if self.row is None:
             return dict(x=self.value(), weight=ops[0], scale=ops[1])
@@ -238,7 +240,7 @@ class DecoderModel:
         if self._gemv_layers is None:  # the same answer for every one-row step: asked once
             dt = self.out_dtype
             self._gemv_layers = all(
-                Normed(h, lw.in_norm, 0.0, h).gemv_ops(lw.qkv, dt) is not None
+                one_gemv(lw.qkv, h, dt) is not None
                 and all(p.gemv_operands(h, dt) is not None for p in (lw.o, lw.gate_up, lw.down))
                 for lw in self.layers
             )
@@ -294,8 +296,8 @@ class DecoderModel:
         blocks (kernels/gemv.py), else None."""
         if isinstance(x, Normed):
             return x.gemv_args(linear, self.out_dtype)
-        ops = linear.gemv_operands(x, self.out_dtype)
-        return None if ops is None or ops[2] else dict(x=x, weight=ops[0], scale=ops[1])
+        ops = one_gemv(linear, x, self.out_dtype)
+        return None if ops is None else dict(x=x, weight=ops[0], scale=ops[1])
 
     def qkv_rope(
         self, qkv: Linear, x: torch.Tensor | Normed, positions: torch.Tensor, slot_mapping: torch.Tensor, kv: LayerKV
