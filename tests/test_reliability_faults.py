@@ -86,16 +86,20 @@ def kill_under_load(stack, word: str, fail_fast_s: float) -> list[tuple]:
     """Start 8 long streams, kill the process whose command line holds `word`, return their results."""
     (victim,) = find(stack, word)[:1]
     with ThreadPoolExecutor(8) as pool:
+        t_start = time.monotonic()
         futs = [pool.submit(stream, stack, 400, f"{word}-{i}") for i in range(8)]
         time.sleep(0.6)  # all running
         os.kill(victim, signal.SIGKILL)
         FIGURES["faults"] += 1
         t_kill = time.monotonic()
         results = [f.result(timeout=60) for f in futs]
-    ended = time.monotonic() - t_kill
     failed = [r for r in results if r[0] != 0]
     FIGURES["failed_in_flight"] += len(failed)
-    assert ended < fail_fast_s, (ended, results)  # nobody hangs
+    # Nobody hangs: a stream the fault cut ends with its error fast. One that survives it runs to its
+    # end at whatever pace the machine gives (11 s for 400 tokens once, beside another test process);
+    # `f.result(timeout=60)` bounds those.
+    slow = [r for r in failed if r[3] - (t_kill - t_start) > fail_fast_s]
+    assert not slow, (slow, results)
     for code, n, msg, _ in results:  # each either finished whole or ended with a clear error
         assert (code == 0 and n == 400) or (code in (-1, 500, 503) and msg), (code, n, msg)
     return results
