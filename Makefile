@@ -18,11 +18,10 @@ $(BIN)/llmserve: pyproject.toml
 	touch $@
 
 # Test files run on TEST_WORKERS processes (pytest-xdist, a file per process: a file's module-scoped
-# stack stays in one), then the tests marked `serial`, which check machine-wide state, alone.
+# stack stays in one). Each test's leak checks see only its own stacks' processes, ports and regions.
 TEST_WORKERS ?= 2
 test: venv
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial" tests
-	$(BIN)/python -m pytest -q -m serial tests
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: venv
 	$(BIN)/ruff check server tests scripts download_model.py

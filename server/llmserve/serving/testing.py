@@ -6,10 +6,12 @@ with ServingStack(tmp_path, MODEL_DIR=...) as stack:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import random
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -36,15 +38,44 @@ def free_ports(n: int) -> list[int]:
     """n distinct free loopback ports, below the ephemeral range: a port from that range (what
     bind(0) gives) can become the local end of one of the stack's own outgoing connections (a ZMQ
     client of the engine server, say) before the server meant to listen on it binds; Triton then
-    failed to start with "address already in use"."""
+    failed to start with "address already in use". Each port is this process's for its life
+    (`_claim`): a stack that stops and starts again on its ports finds them unclaimed by others."""
     rng = random.SystemRandom()
     hi = min(_ephemeral_low(), 32768)
     out: list[int] = []
     while len(out) < n:
         port = rng.randrange(20000, hi)
-        if port not in out and port_is_free(port):
+        if port_is_free(port) and _claim(port):
             out.append(port)
     return out
+
+
+_claimed: set[int] = set()
+_claims_fd: int | None = None  # kept open: closing any fd of the file drops the process's locks on it
+
+
+def _claim(port: int) -> bool:
+    """Claim `port` for this process's life against the other processes that pick ports here (the
+    test suite's pytest-xdist workers): a lock on byte `port` of one file all of them share. Free
+    between a stack's bind checks and its servers' binds, and between its stop and its next start,
+    a port could otherwise be handed to a stack of another process."""
+    global _claims_fd
+    if port in _claimed:
+        return False
+    if _claims_fd is None:
+        try:
+            _claims_fd = os.open(
+                os.path.join(tempfile.gettempdir(), "llmserve-test-ports.lock"), os.O_RDWR | os.O_CREAT
+            )
+        except OSError:
+            _claims_fd = -1  # no shared file: claims hold within this process only
+    if _claims_fd >= 0:
+        try:
+            fcntl.lockf(_claims_fd, fcntl.LOCK_EX | fcntl.LOCK_NB, 1, port)
+        except OSError:  # another process has it
+            return False
+    _claimed.add(port)
+    return True
 
 
 def port_is_free(port: int) -> bool:
