@@ -169,7 +169,8 @@ class Supervisor:
         self.host = cfg.host
         self.log_dir = None if cfg.output_log_to_console else Path(cfg.log_dir)
         self.metrics = EngineMetrics()
-        self.stopping = threading.Event()  # SIGTERM: leave the main loop, drain, stop
+        self.stop_asked = False  # SIGTERM/SIGINT (on_signal); the main loop then sets `stopping`
+        self.stopping = threading.Event()  # the main loop has left: drain, stop
         self.closed = threading.Event()  # the monitor thread's end (it must see the drain)
         self.draining = False
         self.engine_live: int | None = None  # requests in flight in the engine (its last stats)
@@ -290,6 +291,12 @@ class Supervisor:
         threading.Thread(target=server.serve_forever, args=(0.05,), name=f"http-{port}", daemon=True).start()
         return server
 
+    def on_signal(self, *_) -> None:
+        """SIGTERM/SIGINT: a flag, no lock. Python runs a handler in the main thread between any two
+        bytecodes, so also where that thread holds a lock (an Event's, in its own wait): the handler's
+        Event.set then waits on its own thread forever (a stop once hung 30 s, until SIGKILL)."""
+        self.stop_asked = True
+
     # ---- main loop -----------------------------------------------------------------
     def run(self) -> int:
         servers = [
@@ -303,10 +310,13 @@ class Supervisor:
         for c in self.children:
             c.start()
         hung_limit = 3 * self.cfg.check_health_interval
-        while not self.stopping.wait(0.2):
+        while True:
+            time.sleep(0.2)
+            if self.stop_asked:
+                break
             now = time.monotonic()
             for c in self.children:
-                if c.alive() or self.stopping.is_set():
+                if c.alive() or self.stop_asked:
                     continue
                 if c.restart_at is None:
                     code = c.proc.returncode if c.proc else None
@@ -331,6 +341,7 @@ class Supervisor:
                     )
                     self.engine.stop(signal.SIGKILL)  # its core dies with it
                     self.last_hb, self.stalled = None, 0.0
+        self.stopping.set()
         self._shutdown(servers)
         return 0
 
@@ -396,11 +407,8 @@ def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
     sup = Supervisor(Config.from_env())
 
-    def stop(*_):
-        sup.stopping.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, sup.on_signal)
+    signal.signal(signal.SIGINT, sup.on_signal)
     return sup.run()
 
 
