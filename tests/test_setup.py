@@ -166,6 +166,21 @@ def test_tritonclient_http_speaks_to_the_health_port(stack):
     assert status == 404 and "not found: /v2/repository/index" in json.loads(body)["error"]
 
 
+def test_a_client_that_hangs_up_before_its_answer_leaves_no_traceback(stack):
+    """A probe client that gives up (its timeout, on a busy machine) and resets the connection: the
+    health and metrics ports' answer meets a broken pipe. Nobody is left to tell; the log stays clean."""
+    import struct
+
+    for var, path in (("HEALTH_HTTP_PORT", "/v2/health/ready"), ("METRICS_HTTP_PORT", "/metrics")):
+        for _ in range(20):
+            with socket.create_connection(("127.0.0.1", stack.ports[var])) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close: RST
+                sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert stack._get(var, path)[0] == 200
+    time.sleep(0.3)  # the server threads' last writes
+    assert error_lines(stack.log_dir) == []
+
+
 def _json_in(obj: dict):
     import numpy as np
 

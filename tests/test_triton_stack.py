@@ -200,7 +200,10 @@ def test_docs_client_example_runs(stack):
     doc = (Path(__file__).resolve().parents[1] / "docs" / "serving.md").read_text()
     code = doc.split("A runnable client")[1].split("```python\n")[1].split("```")[0]
     code = code.replace("127.0.0.1:8811", stack.grpc_url)
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    try:
+        r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    except subprocess.TimeoutExpired as e:  # where it waited: before its first token, after its last?
+        pytest.fail(f"the example ran 60 s; its stdout so far: {e.stdout!r}, its stderr: {e.stderr!r}")
     assert r.returncode == 0, r.stderr
     assert "'completion_tokens': 32" in r.stdout or "'finish_reason'" not in r.stdout
 
@@ -252,10 +255,14 @@ def test_engine_sends_one_message_per_step_for_all_requests(stack):
     assert ended == set(ids)
     items = [i for m in messages for i in m]
     assert sum(len(i["token_ids"]) for i in items) == n * max_tokens
-    for m in messages:  # one entry per request and step
-        rids = [i["req_id"] for i in m]
-        assert len(rids) == len(set(rids))
-    assert len(messages) < len(items) and max(len(m) for m in messages) == n
+    # A step's entries travel in one message, not one message a request. A message may carry several
+    # steps (an entry a request and step, in order) when the engine server took them in one round, as it
+    # does when it lags the core (seen in CI beside another test process).
+    per_message = [len({i["req_id"] for i in m}) for m in messages]
+    assert len(messages) < len(items) and max(per_message) == n, (per_message, [len(m) for m in messages])
+    for rid in ids:
+        ends = [i["is_end"] for i in items if i["req_id"] == rid]
+        assert ends[-1] and not any(ends[:-1]), (rid, ends)  # in order: the end comes last
 
 
 def test_hung_engine_turns_ready_off_and_fails_in_flight(stack, client):

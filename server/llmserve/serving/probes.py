@@ -50,6 +50,12 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, fmt: str, *args: Any) -> None:
         pass
 
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except ConnectionError:  # the client hung up before its answer (a probe's timeout): no one to tell
+            self.close_connection = True
+
     def _reply(self, status: int, body: bytes, ctype: str = "application/json", headers: dict | None = None) -> None:
         self.send_response(status)
         self.send_header("Content-Type", ctype)
