@@ -19,6 +19,7 @@ import json
 import os
 import re
 import socket
+import struct
 import subprocess
 import time
 from pathlib import Path
@@ -169,8 +170,6 @@ def test_tritonclient_http_speaks_to_the_health_port(stack):
 def test_a_client_that_hangs_up_before_its_answer_leaves_no_traceback(stack):
     """A probe client that gives up (its timeout, on a busy machine) and resets the connection: the
     health and metrics ports' answer meets a broken pipe. Nobody is left to tell; the log stays clean."""
-    import struct
-
     for var, path in (("HEALTH_HTTP_PORT", "/v2/health/ready"), ("METRICS_HTTP_PORT", "/metrics")):
         for _ in range(20):
             with socket.create_connection(("127.0.0.1", stack.ports[var])) as sock:
