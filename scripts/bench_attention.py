@@ -27,8 +27,8 @@ import torch
 import torch.nn.functional as F
 from bench_gpu import copy_bandwidth, gpu_ms
 
+from llmserve.kernels import attention as A
 from llmserve.runners.torch.inputs import work_items
-from llmserve.runners.torch.kernels import attention as A
 
 H, KVH, D, BS = 32, 8, 128, 64
 

@@ -19,8 +19,9 @@ import time
 
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
-from llmserve.engine.loader import ensure_demo_model, load_model
 from llmserve.engine.sampling_params import SamplingParams
+from llmserve.runners.model_dir import ensure_demo_model
+from llmserve.serving.compose import load_model
 
 
 def bench(batch: int, new_tokens: int, prompt_len: int) -> dict:

@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from llmserve.runners.torch.kernels.fp8_gemm import _SCALED_MM_OK, fp8_linear, fp8_path
-from llmserve.runners.torch.kernels.fp8_quant import FP8_MAX, _cdiv
+from llmserve.kernels.fp8_gemm import _SCALED_MM_OK, fp8_linear, fp8_path
+from llmserve.kernels.fp8_quant import FP8_MAX, _cdiv
 
 
 def bench(fn, iters: int = 50) -> float:

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from llmserve.runners.torch.kernels.gemv import gemv
-from llmserve.runners.torch.kernels.gemv4 import gemv4_operands
-from llmserve.runners.torch.quant import formats
-from llmserve.runners.torch.quant.methods import tinygemm_operands
+from llmserve.kernels.gemv import gemv
+from llmserve.kernels.gemv4 import gemv4_operands
+from llmserve.layers.quant import formats
+from llmserve.layers.quant.methods import tinygemm_operands
 
 
 def main() -> None:

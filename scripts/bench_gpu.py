@@ -32,9 +32,9 @@ import torch
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.request import Request
+from llmserve.engine.runner_contract import SeqChunk, StepBatch
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.runners.base import SeqChunk, StepBatch
-from llmserve.runners.torch.random_model import write_random_checkpoint
+from llmserve.models.random_model import write_random_checkpoint
 from llmserve.runners.torch.runner import TorchRunner
 
 R: dict = {}
@@ -362,7 +362,7 @@ def profile_steps(runner: TorchRunner, out: str) -> None:
     kv = runner.kv_cache
     batch = synthetic(runner, [1024] * 256, [1] * 256)
     x = runner.prepare(batch, host_arrays(batch.chunks, runner.block_size))
-    from llmserve.runners.torch.kernels.attention import paged_attention
+    from llmserve.kernels.attention import paged_attention
 
     mc = runner.model_config
     q = torch.randn(256, mc.num_attention_heads, mc.head_dim, device="cuda", dtype=runner.dtype)

@@ -18,8 +18,8 @@ import time
 
 import numpy as np
 
-from llmserve.engine.loader import resolve_model_dir
 from llmserve.engine.tokenizer import load_tokenizer
+from llmserve.runners.model_dir import resolve_model_dir
 
 SCHEMAS = {
     "object": {"type": "object"},

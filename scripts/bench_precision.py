@@ -23,9 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from llmserve.kernels.activation import swiglu
+from llmserve.kernels.attention import AttnMeta, paged_attention, paged_attention_ref, tile_tokens
 from llmserve.runners.torch.inputs import work_items
-from llmserve.runners.torch.kernels.activation import swiglu
-from llmserve.runners.torch.kernels.attention import AttnMeta, paged_attention, paged_attention_ref, tile_tokens
 
 H, KVH, D, HIDDEN, INTER, BS = 32, 8, 128, 4096, 14336, 64
 

@@ -80,7 +80,7 @@ def decode_rows(engine: LLMEngine, runner: TorchRunner, bw: float, rng) -> dict:
 
 
 def speed(out: str, shape: str, formats: list[str], kv: bool = True) -> None:
-    from llmserve.runners.torch.random_model import write_random_checkpoint
+    from llmserve.models.random_model import write_random_checkpoint
 
     R["device"] = torch.cuda.get_device_name()
     R["torch"] = torch.__version__
@@ -139,8 +139,8 @@ def speed(out: str, shape: str, formats: list[str], kv: bool = True) -> None:
 def fidelity(out: str, model: str, device: str, corpus: str) -> None:
     from bench_spec import heldout_prompts
 
-    from llmserve.engine.llm import LLM
     from llmserve.engine.tokenizer import load_tokenizer
+    from llmserve.offline import LLM
     from tests.quant_checkpoints import write_gptq
 
     R["model"], R["device"] = model, device

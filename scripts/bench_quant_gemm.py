@@ -21,7 +21,7 @@ import statistics
 import torch
 import triton
 
-from llmserve.runners.torch.kernels.quant_gemm import w4a16_linear, w4a16_linear_ref, w8a16_linear, w8a16_linear_ref
+from llmserve.kernels.quant_gemm import w4a16_linear, w4a16_linear_ref, w8a16_linear, w8a16_linear_ref
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 G, CALLS, REPLAYS, RING = 128, 20, 25, 256 << 20

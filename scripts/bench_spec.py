@@ -151,7 +151,7 @@ def oracle_run(runner, cfg: Config, k: int, oracle: OracleProposer, prompts, max
 
 
 def bench_oracle(out: str, batches: list[int], max_tokens: int, shape: str = "llama3-8b") -> None:
-    from llmserve.runners.torch.random_model import write_random_checkpoint
+    from llmserve.models.random_model import write_random_checkpoint
 
     root = "/dev/shm" if os.path.isdir("/dev/shm") else "/tmp"
     model_dir = f"{root}/llmserve-random-v3-{shape}"

@@ -35,7 +35,7 @@ from pathlib import Path
 import requests
 
 import llmserve
-from llmserve.engine.loader import ensure_demo_model
+from llmserve.runners.model_dir import ensure_demo_model
 from llmserve.serving import testing
 from llmserve.triton.client import TritonStream
 

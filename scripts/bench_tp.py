@@ -40,8 +40,8 @@ from bench_gpu import copy_bandwidth, matmul_tflops, offline_requests, roofline,
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.models.config import ModelConfig
-from llmserve.runners.torch.random_model import SHAPES, write_random_checkpoint
+from llmserve.layers.model_config import ModelConfig
+from llmserve.models.random_model import SHAPES, write_random_checkpoint
 
 R: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "gpus": 0}
 OUT = "tp.json"
@@ -55,7 +55,7 @@ def save() -> None:
 
 
 def engine_for(model_dir: str, mp: int, **kw) -> LLMEngine:
-    from llmserve.dist.executor import start_executor
+    from llmserve.executor.executor import start_executor
     from llmserve.runners.torch.runner import TorchRunner
 
     global PORT
@@ -230,7 +230,7 @@ def _collectives(rank: int, n: int, port: int, hidden: int, layers: int, vocab: 
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=n)
-    from llmserve.runners.torch.parallel import TensorParallel
+    from llmserve.layers.parallel import TensorParallel
 
     tp = TensorParallel(rank, n, dist.group.WORLD)
     impls = {"nccl": tp.all_reduce}

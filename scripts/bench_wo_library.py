@@ -18,8 +18,8 @@ import json
 import torch
 from bench_quant_gemm import copy_bandwidth, time_graph  # the same timing as the GEMM benchmark
 
-from llmserve.runners.torch.kernels.quant_gemm import w4a16_linear, w8a16_linear
-from llmserve.runners.torch.quant import formats
+from llmserve.kernels.quant_gemm import w4a16_linear, w8a16_linear
+from llmserve.layers.quant import formats
 
 SHAPES = {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}  # K, N
 

@@ -199,7 +199,7 @@ try:
 except Exception:  # noqa: BLE001
     info["cuda"] = None
 try:
-    from llmserve.triton import launcher
+    from llmserve.serving import tritonserver as launcher
     root = launcher.pytriton_root()
     libs = str(root.parent / "nvidia_pytriton.libs")
     pylib = sysconfig.get_config_var("LIBDIR") or ""
@@ -235,7 +235,7 @@ import sys, time
 from pathlib import Path
 import torch
 from llmserve.models.demo_tokenizer import train_demo_tokenizer
-from llmserve.runners.torch.random_model import SHAPES, write_random_checkpoint
+from llmserve.models.random_model import SHAPES, write_random_checkpoint
 path, shape = Path(sys.argv[1]), sys.argv[2]
 # Llama-3.2-1B: 1.24 B parameters (untied head here: 1.50 B), 3.0 GB in bf16
 SHAPES.setdefault("llama3-1b", dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from llmserve.runners.torch.kernels.gemv import gemv, gemv_ref
+from llmserve.kernels.gemv import gemv, gemv_ref
 
 
 def check(device: str) -> None:
@@ -97,9 +97,9 @@ def main() -> None:
         return
     from bench_quant_gemm import copy_bandwidth, time_graph  # CUDA-graph timing over weight copies
 
-    from llmserve.runners.torch.kernels import gemv as gemv_mod
-    from llmserve.runners.torch.kernels.fp8_gemm import fp8_linear
-    from llmserve.runners.torch.kernels.quant_gemm import w8a16_linear
+    from llmserve.kernels import gemv as gemv_mod
+    from llmserve.kernels.fp8_gemm import fp8_linear
+    from llmserve.kernels.quant_gemm import w8a16_linear
 
     res: dict = {"device": torch.cuda.get_device_name(), "formats": a.formats, "launches": a.launches, "shapes": {}}
     res["copy_tb_s"] = bw = copy_bandwidth() / 1e12

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import torch
 
-from llmserve.runners.torch.kernels.gemv import gemv
-from llmserve.runners.torch.kernels.skinny import skinny, skinny_launch
+from llmserve.kernels.gemv import gemv
+from llmserve.kernels.skinny import skinny, skinny_launch
 
 LAUNCHES = [(n, k, 4, s) for n, k, s in itertools.product((16, 32, 64), (128, 256), (3, 4, 5))]
 LAUNCHES += [(64, 128, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (16, 512, 4, 3)]

@@ -21,7 +21,7 @@ import json
 import torch
 from bench_quant_gemm import SHAPES, copy_bandwidth, make_weights, time_graph
 
-from llmserve.runners.torch.kernels import quant_gemm as Q
+from llmserve.kernels import quant_gemm as Q
 
 
 def launch(x, w, meta: dict, split: int, per_split: int, out: torch.Tensor) -> torch.Tensor:

@@ -55,7 +55,7 @@ def demo_dir() -> str:
     if importlib.util.find_spec("paddle") is None:  # CI has it; a GPU box may not
         pytest.skip("the demo model is a Paddle export, and paddle is not installed")
     r = subprocess.run(
-        [sys.executable, "-c", "from llmserve.engine.loader import ensure_demo_model; print(ensure_demo_model())"],
+        [sys.executable, "-c", "from llmserve.runners.model_dir import ensure_demo_model; print(ensure_demo_model())"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -70,7 +70,7 @@ def tiny_hf_dir(tmp_path_factory) -> Path:
     torch = pytest.importorskip("torch")
     pytest.importorskip("safetensors")
     from llmserve.models.demo_tokenizer import train_demo_tokenizer
-    from llmserve.runners.torch.random_model import SHAPES, write_random_checkpoint
+    from llmserve.models.random_model import SHAPES, write_random_checkpoint
 
     path = tmp_path_factory.mktemp("tiny-hf")
     write_random_checkpoint(path, "tiny", device="cpu", dtype=torch.float32, max_positions=256)

@@ -12,7 +12,7 @@ def assert_same_bits_with_pdl(monkeypatch, chain: Callable, state: Callable[[], 
     """`chain(*state())` returns a tensor and may write into its state's tensors (residual, caches): the result and
     every state tensor must be the same with PDL off, on (eager), and on in a CUDA graph replayed twice from a fresh
     state."""
-    from llmserve.runners.torch.kernels import pdl
+    from llmserve.kernels import pdl
 
     monkeypatch.setattr(pdl, "PDL_ON", False)
     s = state()

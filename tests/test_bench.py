@@ -42,8 +42,8 @@ LATENCY_KEYS = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 @pytest.fixture(scope="module")
 def vocab():
-    from llmserve.engine.loader import ensure_demo_model
     from llmserve.engine.tokenizer import load_tokenizer
+    from llmserve.runners.model_dir import ensure_demo_model
 
     return Vocab(load_tokenizer(str(ensure_demo_model())))
 
@@ -311,7 +311,7 @@ def test_connection_refused_is_counted(vocab):
 @pytest.fixture(scope="module")
 def engine():
     from llmserve.config import Config
-    from llmserve.engine.llm_engine import build_engine
+    from llmserve.serving.compose import build_engine
 
     eng = build_engine(Config.from_env(env={}))
     yield eng
@@ -467,7 +467,7 @@ def test_real_stack(stack, vocab, backend, fresh_seed):
 def test_real_stack_client_processes(stack, vocab, backend, tmp_path, fresh_seed):
     """`llmserve bench --client-processes 2`: every request completes, in order, nothing left running."""
     from llmserve.cli import main
-    from llmserve.engine.loader import ensure_demo_model
+    from llmserve.runners.model_dir import ensure_demo_model
 
     n, before = 12, _child_pids()
     port = stack["grpc"] if backend == "triton-grpc" else stack["http"]

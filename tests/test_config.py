@@ -193,7 +193,7 @@ def test_every_setting_is_documented_and_every_llmserve_variable_is_a_setting():
 
 def test_torch_kernels_import_despite_an_unrelated_bad_setting():
     pytest.importorskip("torch")
-    code = "import llmserve.runners.torch.kernels as k; print(k._FORCE_REF)"
+    code = "import llmserve.kernels as k; print(k._FORCE_REF)"
     env = {**os.environ, "BATCH_SIZE": "many", "LLMSERVE_TORCH_KERNELS": "ref"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr[-2000:]

@@ -23,7 +23,7 @@ NO_PADDLE = """
 import json, sys
 sys.modules["paddle"] = None  # `import paddle` (and any paddle.x) now raises ImportError
 from llmserve.config import Config
-from llmserve.engine.llm import LLM
+from llmserve.offline import LLM
 from llmserve.engine.sampling_params import SamplingParams
 llm = LLM(config=Config(model_dir=sys.argv[1], block_size=4, max_seq_len=64, batch_size=4, runner="auto"))
 out = llm.generate([[5, 6, 7], "hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
@@ -79,7 +79,7 @@ print(mod.TritonPythonModel.__module__)
 
 def test_old_stub_with_numpy2_is_refused_unless_the_stub_gets_numpy1(tmp_path, monkeypatch):
     """Triton 2.51's stub (pybind11 2.10) misreads numpy 2 arrays: refuse it, or give it numpy<2 first on its path."""
-    from llmserve.triton import launcher
+    from llmserve.serving import tritonserver as launcher
 
     old, new = tmp_path / "old_stub", tmp_path / "new_stub"
     old.write_bytes(b"\x7fELF ... numpy.core.multiarray ...")
@@ -99,7 +99,7 @@ def test_old_stub_with_numpy2_is_refused_unless_the_stub_gets_numpy1(tmp_path, m
 
 def test_stub_pythonpath_goes_first_for_the_stub(tmp_path, monkeypatch):
     pytest.importorskip("pytriton")
-    from llmserve.triton import launcher
+    from llmserve.serving import tritonserver as launcher
 
     real_stub = launcher.pytriton_root() / "tritonserver/python_backend_stubs/3.12/triton_python_backend_stub"
     if real_stub.exists():  # nvidia-pytriton 0.7.0 ships Triton 2.51: the reason for all this
@@ -116,7 +116,7 @@ def test_adapter_instances_get_their_own_config(tmp_path):
     """ADAPTER_INSTANCES=N: Triton serves a copy of config.pbtxt with N instances beside a link to
     the model's code; one instance is the repository as it is. The default is one per 64 streams."""
     from llmserve.config import Config, ConfigError
-    from llmserve.triton import launcher
+    from llmserve.serving import tritonserver as launcher
 
     repo = launcher.DEFAULT_MODEL_REPOSITORY
     assert launcher.with_instances(repo, 1, tmp_path) == repo

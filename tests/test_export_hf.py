@@ -17,10 +17,10 @@ import pytest
 
 from llmserve.config import Config
 from llmserve.engine.request import Request
+from llmserve.engine.runner_contract import SeqChunk
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.models.config import ModelConfig
+from llmserve.layers.model_config import ModelConfig
 from llmserve.models.export import SafetensorsReader, export_hf, hf_weight_files
-from llmserve.runners.base import SeqChunk
 from llmserve.runners.paddle.runner import PaddleRunner
 
 torch = pytest.importorskip("torch")

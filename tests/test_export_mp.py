@@ -30,12 +30,12 @@ import pytest
 from llmserve.cli import main as cli_main
 from llmserve.config import Config
 from llmserve.engine.request import Request
+from llmserve.engine.runner_contract import SeqChunk
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.models.config import ModelConfig
+from llmserve.layers.model_config import ModelConfig
 from llmserve.models.export import export_hf, export_random, export_weights
 from llmserve.models.export_mp import check_mp
 from llmserve.models.llama_paddle import INPUT_SPECS, cache_names, param_shapes
-from llmserve.runners.base import SeqChunk
 from llmserve.runners.paddle import runner as runner_module
 from llmserve.runners.paddle.inputs import build_step_inputs
 from llmserve.runners.paddle.runner import PaddleRunner, check_ranks, rank_dirs
@@ -307,11 +307,11 @@ def test_reexport_drops_stale_ranks(tmp_path):
 @pytest.mark.skipif(paddle.is_compiled_with_cuda(), reason="the CPU build")
 def test_cpu_build_serves_mp(random_exports):
     """MP_NUM=2 over 2 rank graphs passes the checks (served over gloo: test_paddle_tensor_parallel.py);
-    a PaddleRunner built outside llmserve.dist's group says where its ranks start."""
+    a PaddleRunner built outside llmserve.executor's group says where its ranks start."""
     _, sharded = random_exports
     config = Config(mp_num=2, block_size=BLOCK, block_bs=1)
     check_ranks(sharded, config)
-    with pytest.raises(ValueError, match=r"^MP_NUM=2: the Paddle runner's ranks start through llmserve.dist"):
+    with pytest.raises(ValueError, match=r"^MP_NUM=2: the Paddle runner's ranks start through llmserve.executor"):
         PaddleRunner(str(sharded), config, None)
 
 

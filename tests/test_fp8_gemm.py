@@ -34,9 +34,9 @@ import pytest
 import torch
 import triton_interpreter
 
-from llmserve.runners.torch.kernels import fp8_gemm as F
-from llmserve.runners.torch.kernels import fp8_quant as Q
-from llmserve.runners.torch.kernels.gemv import GEMV_MAX_M
+from llmserve.kernels import fp8_gemm as F
+from llmserve.kernels import fp8_quant as Q
+from llmserve.kernels.gemv import GEMV_MAX_M
 
 FP8 = torch.float8_e4m3fn
 HERE = Path(__file__).resolve().parent

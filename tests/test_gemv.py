@@ -13,10 +13,10 @@ import torch
 import triton_interpreter
 from pdl_chain import assert_same_bits_with_pdl
 
-from llmserve.runners.torch.kernels import HAS_TRITON
-from llmserve.runners.torch.kernels.gemv import gemv_ref
-from llmserve.runners.torch.kernels.gemv4 import gemv4_dequantize, gemv4_operands
-from llmserve.runners.torch.quant import formats
+from llmserve.kernels import HAS_TRITON
+from llmserve.kernels.gemv import gemv_ref
+from llmserve.kernels.gemv4 import gemv4_dequantize, gemv4_operands
+from llmserve.layers.quant import formats
 
 
 def rand_weight(gen: torch.Generator, N: int, K: int, fmt: str, block: int, device: str = "cpu"):
@@ -86,7 +86,7 @@ INTERP_SCRIPT = textwrap.dedent(
     import torch
     sys.path.insert(0, {tests!r})
     from test_gemv import float64_product, rand_weight, rel_err
-    from llmserve.runners.torch.kernels import fp8_gemm, gemv as G, quant_gemm
+    from llmserve.kernels import fp8_gemm, gemv as G, quant_gemm
 
     gen = torch.Generator().manual_seed({seed})
     # ragged N and K (masks), whole tiles (no masks), block scales, each conversion of int8
@@ -121,7 +121,7 @@ INTERP_SCRIPT = textwrap.dedent(
         assert rel_err(got, g * torch.sigmoid(g) * u) < 2**-7, (N, K, fmt)
     # qkv rows with the rotary embedding and the cache write in the epilogue, as rope_and_cache does them
     import numpy as np
-    from llmserve.runners.torch.kernels import rotary
+    from llmserve.kernels import rotary
     H, KVH, D, bs, K = 4, 2, 16, 8, 64
     cs = rotary.rope_cos_sin(1.0 / 10000 ** (np.arange(0, D, 2) / D), 64, "cpu")
     for fmt, slot in [("int8", 19), ("bf16", 5), ("fp8", -1)]:
@@ -138,8 +138,8 @@ INTERP_SCRIPT = textwrap.dedent(
             assert torch.allclose(a.float(), b.float(), rtol=2e-3, atol=1e-3), fmt
             assert (a != 0).any() == (slot >= 0), fmt  # a padding slot (-1) writes nothing
     # 4-bit weights: 1-4 rows, ragged N, groups of 64 and 128, bias, each output dtype, the epilogues at one row
-    from llmserve.runners.torch.quant import formats
-    from llmserve.runners.torch.quant.methods import W4
+    from llmserve.layers.quant import formats
+    from llmserve.layers.quant.methods import W4
     for N, K, G_, rows, out in [(40, 512, 128, 1, torch.float32), (37, 256, 64, 3, torch.bfloat16), (48, 1024, 128, 4, torch.float32), (32, 384, 128, 2, torch.float32)]:
         w, s = rand_weight(gen, N, K, "int4", G_)
         x = torch.randn(rows, K, generator=gen).to(torch.bfloat16)
@@ -207,7 +207,7 @@ def test_kernel_under_interpreter(fresh_seed):
 @pytest.mark.parametrize("fmt,block", [("int8", 0), ("fp8", 0), ("fp8", 128), ("bf16", 0), ("int4", 0)])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (1000, 1152)])
 def test_gpu_against_float64(fmt, block, N, K, fresh_seed):
-    from llmserve.runners.torch.kernels.gemv import gemv
+    from llmserve.kernels.gemv import gemv
 
     if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 conversions need sm_89+")
@@ -226,7 +226,7 @@ def test_gpu_against_float64(fmt, block, N, K, fresh_seed):
         assert all(torch.equal(ys[i : i + 1], gemv(xs[i : i + 1], w, s, 0, bias, torch.float32)) for i in range(4))
     assert rel_err(gemv(x, w, s, block, bias, torch.bfloat16), ref) < 2**-7
     if block == 0 and N % 2 == 0:  # as gate | up rows: the SwiGLU in the epilogue gives the separate kernel's bits
-        from llmserve.runners.torch.kernels.activation import swiglu
+        from llmserve.kernels.activation import swiglu
 
         want = swiglu(gemv(x, w, s, 0, None, torch.float32), torch.bfloat16)
         assert torch.equal(gemv(x, w, s, 0, None, torch.bfloat16, glu=True), want), f"seed {fresh_seed}"
@@ -238,8 +238,8 @@ def test_gpu_against_float64(fmt, block, N, K, fresh_seed):
 def test_gpu_rope_epilogue_gives_rope_and_cache_bits(fmt, H, KVH, fresh_seed):
     import numpy as np
 
-    from llmserve.runners.torch.kernels import rotary
-    from llmserve.runners.torch.kernels.gemv import RopeCache, gemv
+    from llmserve.kernels import rotary
+    from llmserve.kernels.gemv import RopeCache, gemv
 
     if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 conversions need sm_89+")
@@ -267,9 +267,9 @@ def test_gpu_rows_added_in_and_the_norm_left_pending(fmt, fresh_seed):
     rotary's as the separate kernels give them from the product's rows)."""
     import numpy as np
 
-    from llmserve.runners.torch.kernels import rotary
-    from llmserve.runners.torch.kernels.activation import swiglu
-    from llmserve.runners.torch.kernels.gemv import RopeCache, gemv
+    from llmserve.kernels import rotary
+    from llmserve.kernels.activation import swiglu
+    from llmserve.kernels.gemv import RopeCache, gemv
 
     if fmt == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 conversions need sm_89+")
@@ -300,7 +300,7 @@ def test_gpu_rows_added_in_and_the_norm_left_pending(fmt, fresh_seed):
 
 def test_pdl_setting_and_where_it_applies():
     from llmserve.config import Config, ConfigError
-    from llmserve.runners.torch.kernels.pdl import pdl_on
+    from llmserve.kernels.pdl import pdl_on
 
     for bad in ("2", "maybe"):
         with pytest.raises(ConfigError, match="LLMSERVE_PDL"):
@@ -318,9 +318,9 @@ def test_gpu_pdl_chain_gives_the_same_bits(fmt, norms, monkeypatch, fresh_seed):
     PDL (kernels/pdl.py), eagerly and in a CUDA graph, gives the bits of the chain launched without it."""
     import numpy as np
 
-    from llmserve.runners.torch.kernels import rotary
-    from llmserve.runners.torch.kernels.gemv import RopeCache, gemv
-    from llmserve.runners.torch.kernels.norm import rms_norm
+    from llmserve.kernels import rotary
+    from llmserve.kernels.gemv import RopeCache, gemv
+    from llmserve.kernels.norm import rms_norm
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90+")

@@ -276,8 +276,8 @@ def test_openai_features_end_to_end(stack):
     echo = client.completions.create(model="default", prompt="Once", max_tokens=3, temperature=0, echo=True)
     assert echo.choices[0].text.startswith("Once")
     # Token-id prompts are echoed through the front end's tokenizer.
-    from llmserve.engine.loader import demo_model_dir
     from llmserve.engine.tokenizer import load_tokenizer
+    from llmserve.runners.model_dir import demo_model_dir
 
     tok = load_tokenizer(demo_model_dir())
     ids = tok.encode("Once upon a time", add_special_tokens=False)

@@ -20,12 +20,12 @@ import numpy as np
 import pytest
 import torch
 
-from llmserve.models.rope import rope_inv_freq
+from llmserve.kernels import HAS_TRITON
+from llmserve.kernels.attention import AttnMeta, paged_attention, paged_attention_ref, tile_tokens
+from llmserve.kernels.rotary import QUANT_MAX, rope_and_cache, rope_and_cache_ref, rope_cos_sin
+from llmserve.layers.kv_cache import KVCacheSpec, kv_spec_for
+from llmserve.layers.rope import rope_inv_freq
 from llmserve.runners.torch.inputs import work_items
-from llmserve.runners.torch.kernels import HAS_TRITON
-from llmserve.runners.torch.kernels.attention import AttnMeta, paged_attention, paged_attention_ref, tile_tokens
-from llmserve.runners.torch.kernels.rotary import QUANT_MAX, rope_and_cache, rope_and_cache_ref, rope_cos_sin
-from llmserve.runners.torch.kv_cache import KVCacheSpec, kv_spec_for
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"

@@ -20,7 +20,7 @@ from llmserve.engine.sampler import Sampler
 from llmserve.engine.sampling_params import SamplingParams
 
 torch = pytest.importorskip("torch")
-from llmserve.runners.torch.sampler import DeviceSampler  # noqa: E402
+from llmserve.layers.sampler import DeviceSampler  # noqa: E402
 
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 Z_1E4 = 3.719  # standard normal quantile at 1 - 1e-4: each chi-square test fails by chance 1 in 10,000
@@ -242,7 +242,7 @@ def test_reused_request_id_takes_its_new_bias(kind, fresh_seed):
 
 
 def test_device_sampler_builds_a_bias_once_per_request_and_skips_unbiased_batches(monkeypatch, fresh_seed):
-    import llmserve.runners.torch.sampler as dev_sampler
+    import llmserve.layers.sampler as dev_sampler
 
     built = []
     real = dev_sampler.bias_arrays
@@ -280,8 +280,8 @@ def _key_hashing_token0_to(h: int) -> int:
 @pytest.mark.parametrize("h", [0xFFFFFFFF, 0])
 def test_gumbel_noise_stays_finite_at_the_extreme_hashes(h):
     """The largest hash once gave u == 1.0 in float32 (+inf noise): a top-k-masked token then won."""
-    from llmserve.runners.torch.kernels import HAS_TRITON
-    from llmserve.runners.torch.kernels.sampling import _noise_ref, gumbel_argmax, gumbel_argmax_ref
+    from llmserve.kernels import HAS_TRITON
+    from llmserve.kernels.sampling import _noise_ref, gumbel_argmax, gumbel_argmax_ref
 
     key = torch.tensor([_key_hashing_token0_to(h)], dtype=torch.int64)
     u = _noise_ref(key, 8)

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from llmserve.engine.llm import LLM
 from llmserve.engine.sampling_params import SamplingParams
+from llmserve.offline import LLM
 
 SEED = random.SystemRandom().randrange(1 << 20)
 PROMPTS = ["Hello, world", "你好，世界！🙂", "The quick brown fox"]

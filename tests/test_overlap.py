@@ -171,10 +171,10 @@ def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_
     import json
     import time
 
-    from llmserve.engine.llm import LLM
+    from llmserve.offline import LLM
     from llmserve.serving.engine_server import start
-    from llmserve.serving.ipc import dumps, loads
     from llmserve.serving.testing import free_ports
+    from llmserve.utils.wire import dumps, loads
     from tests.test_engine import dealer
 
     llm = LLM(str(tiny_hf_dir), Config(block_size=4, max_seq_len=256, batch_size=8, block_bs=4))

@@ -1,6 +1,6 @@
 """The Paddle runner at MP_NUM > 1 on a CPU build: an `--mp 2` export served by two ranks over gloo.
 
-Rank 0 is the offline engine in this process and rank 1 a worker process (llmserve.dist); each runs
+Rank 0 is the offline engine in this process and rank 1 a worker process (llmserve.executor); each runs
 its own graph rank_<r> (runners/paddle/ranks.py). The export is test_export_mp's random tiny model,
 whose sharded graphs compute the unsharded one's logits up to float32 summation order: greedy tokens
 must agree with the `--mp 1` export at MP_NUM=1, over chunked prefill and a prefix-cache hit.
@@ -20,10 +20,10 @@ import time
 import paddle
 import pytest
 
-from llmserve.dist.executor import EXIT_CODE
-from llmserve.engine.llm import LLM
 from llmserve.engine.sampling_params import SamplingParams
+from llmserve.executor.executor import EXIT_CODE
 from llmserve.models.demo import DEMO_HF_DIR
+from llmserve.offline import LLM
 from llmserve.serving.testing import ROOT, port_is_free, process_tree
 from tests.test_export_mp import BLOCK, random_exports  # noqa: F401 (a fixture)
 from tests.test_tensor_parallel import config
@@ -125,9 +125,8 @@ def test_paddle_rendezvous_fails_in_time_naming_the_rank():
 
     import torch.distributed as dist
 
-    from llmserve.dist.group import RendezvousError
-    from llmserve.dist.layout import Layout
     from llmserve.runners.paddle.ranks import join_gloo
+    from llmserve.runners.rank_layout import Layout, RendezvousError
     from llmserve.serving.testing import free_ports
 
     port, dead = free_ports(2)

@@ -21,10 +21,10 @@ import torch
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.output import RequestOutput
+from llmserve.engine.runner_contract import TokenLogprobs
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.runners.base import TokenLogprobs
 from llmserve.serving.engine_core import encode
-from llmserve.serving.ipc import dumps, loads
+from llmserve.utils.wire import dumps, loads
 
 TOL = 2e-4  # fp32 on CPU: logprobs of the same model through different kernels
 CUDA = torch.cuda.is_available()  # there the torch runner computes in bf16: see check()
@@ -238,7 +238,7 @@ PADDLE_VOCAB = 300
 @pytest.fixture(scope="module")
 def paddle_model(tmp_path_factory):
     pytest.importorskip("paddle")
-    from llmserve.models.config import ModelConfig
+    from llmserve.layers.model_config import ModelConfig
     from llmserve.models.export import export_weights
     from tests.test_paddle_model import test_weights as random_weights
 

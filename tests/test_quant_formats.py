@@ -21,8 +21,8 @@ import torch
 from safetensors import safe_open
 
 from llmserve.config import ConfigError
-from llmserve.runners.torch.quant import formats as F
-from llmserve.runners.torch.quant.checkpoint_config import (
+from llmserve.layers.quant import formats as F
+from llmserve.layers.quant.checkpoint_config import (
     QuantSpec,
     parse_quantization_config,
     tensor_names,

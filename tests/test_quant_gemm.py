@@ -18,9 +18,9 @@ import pytest
 import torch
 import triton_interpreter
 
-from llmserve.runners.torch.kernels import HAS_TRITON
-from llmserve.runners.torch.kernels.quant_dequant import DEQUANT_M
-from llmserve.runners.torch.kernels.quant_gemm import (
+from llmserve.kernels import HAS_TRITON
+from llmserve.kernels.quant_dequant import DEQUANT_M
+from llmserve.kernels.quant_gemm import (
     w4a16_linear,
     w4a16_linear_ref,
     w8a16_linear,
@@ -135,9 +135,9 @@ INTERP_SCRIPT = textwrap.dedent(
     import torch
     sys.path.insert(0, {tests!r})
     from test_quant_gemm import make_w4, make_w8, rel_err
-    from llmserve.runners.torch.kernels import use_triton
-    from llmserve.runners.torch.kernels import quant_gemm as qg
-    from llmserve.runners.torch.kernels.gemv import GEMV_MAX_M
+    from llmserve.kernels import use_triton
+    from llmserve.kernels import quant_gemm as qg
+    from llmserve.kernels.gemv import GEMV_MAX_M
 
     gen = torch.Generator().manual_seed({seed})
     assert use_triton(torch.zeros(1)), "TRITON_INTERPRET=1 must route CPU tensors to the kernels"
@@ -222,7 +222,7 @@ def test_w8_kernel_gpu(M, N, K, xdtype, fresh_seed, no_tf32):
 @pytest.mark.parametrize("N,K", GPU_NK)
 @pytest.mark.parametrize("xdtype", [torch.bfloat16, torch.float16])
 def test_w4_kernel_gpu(M, N, K, xdtype, fresh_seed, no_tf32):
-    from llmserve.runners.torch.kernels.quant_gemm import SMALL_M
+    from llmserve.kernels.quant_gemm import SMALL_M
 
     gen = torch.Generator().manual_seed(fresh_seed)
     G = 128

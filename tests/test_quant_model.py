@@ -20,7 +20,7 @@ from safetensors.torch import load_file, save_file
 from llmserve.config import Config, ConfigError
 from llmserve.engine.request import Request
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.runners.torch.quant import formats
+from llmserve.layers.quant import formats
 from tests import quant_checkpoints as qc
 from tests.test_torch_runner import Driver, make_runner
 
@@ -164,8 +164,8 @@ def test_the_whole_stack_serves_a_quantized_model(tmp_path):
     trained model often do not)."""
     import requests
 
-    from llmserve.engine.llm import LLM
     from llmserve.models.demo import DEMO_HF_DIR
+    from llmserve.offline import LLM
     from llmserve.serving.testing import http_stack
 
     prompts = ["def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def push(self, x):\n"]
@@ -230,7 +230,7 @@ def test_quantized_models_on_the_gpu(tmp_path, fmt, monkeypatch):
     KV cache) in a bf16 model: prompt logits against HF in fp32 over the dequantized weights, within
     a bf16 model's error (FP8 activations add theirs), and greedy decoding (CUDA graphs) runs, with PDL on in every
     format (kernels/pdl.py; the 4-bit GEMV launches without it)."""
-    from llmserve.runners.torch.kernels import pdl
+    from llmserve.kernels import pdl
 
     monkeypatch.setattr(pdl, "PDL_ON", True)
     src, dst, ref = tmp_path / "src", tmp_path / "q", tmp_path / "ref"

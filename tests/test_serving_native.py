@@ -128,7 +128,7 @@ def test_native_or_openai_body():
 
 def test_launcher_uses_an_image_s_own_tritonserver(tmp_path, monkeypatch):
     """TRITONSERVER_BIN / TRITON_BACKEND_DIR (a Triton container) replace the wheel's server and backends."""
-    from llmserve.triton import launcher
+    from llmserve.serving import tritonserver as launcher
 
     wheel = launcher.triton_command(grpc_port=1, metrics_port=2, work_dir=tmp_path / "w")
     backends = tmp_path / "backends"

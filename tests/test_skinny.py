@@ -12,7 +12,7 @@ import torch
 import triton_interpreter
 from pdl_chain import assert_same_bits_with_pdl
 
-from llmserve.runners.torch.kernels import HAS_TRITON
+from llmserve.kernels import HAS_TRITON
 
 
 def float64_product(x, w, bias):
@@ -30,7 +30,7 @@ INTERP_SCRIPT = textwrap.dedent(
     import torch
     sys.path.insert(0, {tests!r})
     from test_skinny import float64_product, rel_err
-    from llmserve.runners.torch.kernels import skinny as S
+    from llmserve.kernels import skinny as S
 
     gen = torch.Generator().manual_seed({seed})
     # ragged N and K (the last program's rows, masked K), whole tiles, 1 to 16 rows, bias. fp16 only: Triton
@@ -56,8 +56,8 @@ INTERP_SCRIPT = textwrap.dedent(
         g, u = g.double(), u.double()
         assert got.shape == (M, N // 2) and rel_err(got, g * torch.sigmoid(g) * u) < 2**-10, (M, N, K)
     import numpy as np
-    from llmserve.runners.torch.kernels import rotary
-    from llmserve.runners.torch.kernels.gemv import RopeCache
+    from llmserve.kernels import rotary
+    from llmserve.kernels.gemv import RopeCache
     H, KVH, D, bs, K = 4, 2, 16, 8, 64
     cs = rotary.rope_cos_sin(1.0 / 10000 ** (np.arange(0, D, 2) / D), 64, "cpu")
     w = torch.randn((H + 2 * KVH) * D, K, generator=gen).to(dt)
@@ -88,7 +88,7 @@ def test_kernel_under_interpreter(fresh_seed):
 def test_which_products_it_takes():
     """2-16 rows of a bf16/fp16 weight in x's dtype, K contiguous; not one row (the GEMV's), 17, fp32 or int8
     weights, a transposed weight, or CPU tensors (no Triton there)."""
-    from llmserve.runners.torch.kernels import skinny as S
+    from llmserve.kernels import skinny as S
 
     if S.SKINNY_MAX_M == 0:
         pytest.skip("LLMSERVE_SKINNY=0")
@@ -108,7 +108,7 @@ def test_which_products_it_takes():
 @pytest.mark.parametrize("M", [2, 5, 16])
 @pytest.mark.parametrize("N,K", [(6144, 4096), (4096, 14336), (1000, 1160)])
 def test_gpu_against_float64(M, N, K, fresh_seed):
-    from llmserve.runners.torch.kernels.skinny import skinny
+    from llmserve.kernels.skinny import skinny
 
     gen = torch.Generator().manual_seed(fresh_seed)
     w = torch.randn(N, K, generator=gen).to(torch.bfloat16).cuda()
@@ -127,9 +127,9 @@ def test_gpu_against_float64(M, N, K, fresh_seed):
 @pytest.mark.gpu
 def test_gpu_layers_and_lm_head_take_it(fresh_seed):
     """The dense method and the LM head give their 2-16-row products to the kernel (its bits), one row to the GEMV."""
-    from llmserve.runners.torch.kernels import skinny as S
-    from llmserve.runners.torch.linear import Linear
-    from llmserve.runners.torch.quant.methods import LinearMethod
+    from llmserve.kernels import skinny as S
+    from llmserve.layers.linear import Linear
+    from llmserve.layers.quant.methods import LinearMethod
 
     if S.SKINNY_MAX_M == 0:
         pytest.skip("LLMSERVE_SKINNY=0")
@@ -153,10 +153,10 @@ def test_gpu_epilogues_give_the_separate_kernels_bits(M, H, KVH, fresh_seed):
     its own position and slot (one of them padding)."""
     import numpy as np
 
-    from llmserve.runners.torch.kernels import rotary
-    from llmserve.runners.torch.kernels.activation import swiglu
-    from llmserve.runners.torch.kernels.gemv import RopeCache
-    from llmserve.runners.torch.kernels.skinny import skinny
+    from llmserve.kernels import rotary
+    from llmserve.kernels.activation import swiglu
+    from llmserve.kernels.gemv import RopeCache
+    from llmserve.kernels.skinny import skinny
 
     D, K, F, bs, f32, bf16 = 128, 4096, 14336, 64, torch.float32, torch.bfloat16
     gen = torch.Generator().manual_seed(fresh_seed)
@@ -186,10 +186,10 @@ def test_gpu_pdl_verification_chain_gives_the_same_bits(monkeypatch, fresh_seed)
     PDL."""
     import numpy as np
 
-    from llmserve.runners.torch.kernels import rotary
-    from llmserve.runners.torch.kernels.gemv import RopeCache
-    from llmserve.runners.torch.kernels.norm import rms_norm
-    from llmserve.runners.torch.kernels.skinny import skinny
+    from llmserve.kernels import rotary
+    from llmserve.kernels.gemv import RopeCache
+    from llmserve.kernels.norm import rms_norm
+    from llmserve.kernels.skinny import skinny
 
     if torch.cuda.get_device_capability() < (9, 0):
         pytest.skip("programmatic dependent launch needs sm_90+")

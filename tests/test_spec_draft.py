@@ -35,10 +35,10 @@ from llmserve.config import Config, ConfigError
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.request import Request
+from llmserve.engine.runner_contract import SeqChunk
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.runners.base import SeqChunk
+from llmserve.layers.sampler import DeviceSampler
 from llmserve.runners.torch.runner import TorchRunner
-from llmserve.runners.torch.sampler import DeviceSampler
 
 ALPHA = 1e-4  # per test of a correct sampler: a false alarm in about one run in a few thousand
 Z_MAX = 4.0  # two-sided normal tail ~6e-5

@@ -260,11 +260,11 @@ def test_bench_engine_backend_reports_speculation(tmp_path, monkeypatch, capsys)
 def test_engine_server_stats_carry_spec_deltas(tiny_hf_dir):
     """The served path with SPECULATE_METHOD=ngram: the monitor's stats messages, summed, give exactly
     the counters of the same request run in-process, and are reset after each message."""
-    from llmserve.engine.llm_engine import build_engine
     from llmserve.protocol import native
+    from llmserve.serving.compose import build_engine
     from llmserve.serving.engine_server import start
-    from llmserve.serving.ipc import dumps, loads
     from llmserve.serving.testing import free_ports
+    from llmserve.utils.wire import dumps, loads
     from tests.test_engine import dealer
 
     # A fixed k: the adaptive rule follows measured step times, which differ from run to run.

@@ -33,10 +33,10 @@ import pytest
 import torch
 
 from llmserve.engine.request import Request
+from llmserve.engine.runner_contract import SeqChunk
 from llmserve.engine.sampler import Sampler
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.runners.base import SeqChunk
-from llmserve.runners.torch.sampler import DeviceSampler
+from llmserve.layers.sampler import DeviceSampler
 
 ALPHA = 1e-4  # per test of a correct sampler: ~15 such tests per run, so a false alarm in ~1 run in 700
 TINY = 1e-12  # a p-value this small: the lossy verifier is caught (by far: it is ~0 in the verifier tests)

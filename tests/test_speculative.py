@@ -242,7 +242,7 @@ def test_seeded_requests_same_alone_in_a_batch_and_without_speculation(models, k
 
 def _verification_batch(runner, rng, drafts_per_chunk):
     """Requests prefilled up to their last prompt token, and a batch verifying random drafts."""
-    from llmserve.runners.base import SeqChunk, StepBatch
+    from llmserve.engine.runner_contract import SeqChunk, StepBatch
 
     free = list(range(runner.num_kv_blocks))
     reqs, chunks = [], []
@@ -323,7 +323,7 @@ def test_which_steps_the_verification_graphs_pack(models):
     import torch
 
     from llmserve.engine.request import PENDING
-    from llmserve.runners.base import SeqChunk
+    from llmserve.engine.runner_contract import SeqChunk
     from llmserve.runners.torch.cuda_graphs import DecodeGraphs, VerifyPack
     from llmserve.runners.torch.inputs import host_arrays
     from llmserve.runners.torch.runner import TorchRunner
@@ -609,7 +609,7 @@ def check_stack_serves_speculating(tmp_path, model_dir: str, **env) -> None:
     speculation, and the metrics show drafts proposed and accepted."""
     import requests
 
-    from llmserve.engine.llm import LLM
+    from llmserve.offline import LLM
     from llmserve.serving.testing import http_stack
     from llmserve.triton.client import TritonStream, collect
 

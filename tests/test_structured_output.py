@@ -13,8 +13,8 @@ import re
 import jsonschema
 import pytest
 
-from llmserve.engine.llm import LLM
 from llmserve.engine.sampling_params import SamplingParams
+from llmserve.offline import LLM
 from llmserve.protocol.structured import grammar_for
 
 PERSON = {

@@ -35,7 +35,7 @@ def _reference(x: torch.Tensor, res: torch.Tensor, w: torch.Tensor, eps: float, 
 def _rank(rank: int, world: int, port: int, q) -> None:
     import torch.distributed as dist
 
-    from llmserve.runners.torch.parallel import TensorParallel, with_one_shot
+    from llmserve.layers.parallel import TensorParallel, with_one_shot
 
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -94,10 +94,10 @@ def _rank(rank: int, world: int, port: int, q) -> None:
 
 
 def _pushed(tp, w, gen, res_gen, check, out) -> None:
-    from llmserve.runners.torch.kernels.sum_norm import Pushed
-    from llmserve.runners.torch.linear import Linear
-    from llmserve.runners.torch.quant import formats
-    from llmserve.runners.torch.quant.methods import W4, W8, LinearMethod
+    from llmserve.kernels.sum_norm import Pushed
+    from llmserve.layers.linear import Linear
+    from llmserve.layers.quant import formats
+    from llmserve.layers.quant.methods import W4, W8, LinearMethod
 
     K, f32 = 1024, torch.float32
     weight = (torch.randn(N, K, device="cuda", generator=gen) / 32).to(torch.bfloat16)

@@ -20,16 +20,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
 from llmserve.config import Config, ConfigError  # noqa: E402
-from llmserve.dist.group import RendezvousError  # noqa: E402
-from llmserve.engine.llm import LLM  # noqa: E402
 from llmserve.engine.sampling_params import SamplingParams  # noqa: E402
+from llmserve.offline import LLM  # noqa: E402
+from llmserve.runners.rank_layout import RendezvousError  # noqa: E402
 from llmserve.serving.testing import free_ports, process_tree  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def llama_dir(tmp_path_factory):
     from llmserve.models.demo_tokenizer import train_demo_tokenizer
-    from llmserve.runners.torch.random_model import SHAPES, write_random_checkpoint
+    from llmserve.models.random_model import SHAPES, write_random_checkpoint
 
     path = tmp_path_factory.mktemp("tp-llama")
     write_random_checkpoint(path, "tiny", seed=11, device="cpu", dtype=torch.float32, max_positions=512)
@@ -220,9 +220,9 @@ def test_structured_output_reaches_every_rank(llama_dir):
 def test_step_message_takes_a_request_that_left_and_came_back_in_one_step():
     """A req_id that leaves and returns in the same step (a preemption, or the offline LLM numbering
     each call from 0) is a new request on the workers, with its own prompt and no old outputs."""
-    from llmserve.dist.step_message import StepDecoder, StepEncoder
     from llmserve.engine.request import Request
-    from llmserve.runners.base import SeqChunk, StepBatch
+    from llmserve.engine.runner_contract import SeqChunk, StepBatch
+    from llmserve.executor.step_message import StepDecoder, StepEncoder
 
     enc, dec = StepEncoder(), StepDecoder()
     old = Request("r", [1, 2, 3], SamplingParams())

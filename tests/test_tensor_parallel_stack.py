@@ -31,8 +31,8 @@ def test_stack_with_two_ranks_survives_a_killed_worker(tmp_path, llama_dir):  # 
     try:
         code, n, msg, _ = stream(stack, 8, "first")
         assert (code, n) == (0, 8), msg
-        (worker,) = find(stack, "llmserve.dist.worker")
-        assert find_all("llmserve.dist.worker", tmp_path) == [worker]  # find_all sees the stack's own workers
+        (worker,) = find(stack, "llmserve.executor.worker")
+        assert find_all("llmserve.executor.worker", tmp_path) == [worker]  # find_all sees the stack's own workers
         with ThreadPoolExecutor(4) as pool:
             futs = [pool.submit(stream, stack, 380, f"tp-{i}") for i in range(4)]
             time.sleep(1.0)  # all running
@@ -45,7 +45,7 @@ def test_stack_with_two_ranks_survives_a_killed_worker(tmp_path, llama_dir):  # 
             assert (code == 0 and n == 380) or (code in (-1, 500, 503) and msg), (code, n, msg)
         assert any(code != 0 for code, *_ in results), results
         back = wait_all_ok(stack, timeout=120)  # the supervisor restarted the whole group
-        (new_worker,) = find(stack, "llmserve.dist.worker")
+        (new_worker,) = find(stack, "llmserve.executor.worker")
         assert new_worker != worker
         print(f"\nworker kill: requests ended {ended:.1f} s after it, serving again {back:.1f} s later")
         # A hung worker (stopped: no heartbeat, no progress) is found out and its group restarted too.
@@ -60,11 +60,11 @@ def test_stack_with_two_ranks_survives_a_killed_worker(tmp_path, llama_dir):  # 
         why = f"no heartbeat for {HEARTBEAT_TIMEOUT} s"
         assert any(why in f.read_text(errors="replace") for f in stack.log_dir.glob("*.log")), stack.logs()
         back = wait_all_ok(stack, timeout=120)
-        assert find(stack, "llmserve.dist.worker") != [new_worker]
+        assert find(stack, "llmserve.executor.worker") != [new_worker]
         print(f"worker hang: request ended {ended:.1f} s after it ({msg}), serving again {back:.1f} s later")
     finally:
         stack.stop()
-    assert not find_all("llmserve.dist.worker", tmp_path)
+    assert not find_all("llmserve.executor.worker", tmp_path)
 
 
 def find_all(word: str, log_root: Path) -> list[int]:
@@ -99,13 +99,13 @@ def test_two_nodes_on_loopback_serve_through_node_0(tmp_path, llama_dir):  # noq
         node0.start()
         code, n, msg, _ = stream(node0, 12, "two nodes")
         assert (code, n) == (0, 12), msg
-        assert len(find_all("llmserve.dist.worker", tmp_path)) == 1  # rank 1, node 1's: node 0 starts none
+        assert len(find_all("llmserve.executor.worker", tmp_path)) == 1  # rank 1, node 1's: node 0 starts none
     finally:
         node0.stop()
         r = subprocess.run([str(ROOT / "stop_server.sh")], env=env1, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     deadline = time.monotonic() + 10
-    while find_all("llmserve.dist", tmp_path) and time.monotonic() < deadline:
+    while find_all("llmserve.executor", tmp_path) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not find_all("llmserve.dist", tmp_path), "a node's launcher or worker outlived stop_server.sh"
+    assert not find_all("llmserve.executor", tmp_path), "a node's launcher or worker outlived stop_server.sh"
     assert ServingStack  # (imported for type context)

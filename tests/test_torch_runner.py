@@ -17,10 +17,10 @@ import torch
 
 from llmserve.config import Config
 from llmserve.engine.request import Request
+from llmserve.engine.runner_contract import SeqChunk, StepBatch
 from llmserve.engine.sampler import apply_penalties, nucleus_mask
 from llmserve.engine.sampling_params import SamplingParams
-from llmserve.runners.base import SeqChunk, StepBatch
-from llmserve.runners.torch.kernels import HAS_TRITON
+from llmserve.kernels import HAS_TRITON
 
 transformers = pytest.importorskip("transformers")
 
@@ -173,7 +173,7 @@ def assert_logits_match_transformers(tmp_path, lengths: tuple[int, ...], max_tok
 
 
 def test_sampler_matches_host_definitions():
-    from llmserve.runners.torch.sampler import DeviceSampler
+    from llmserve.layers.sampler import DeviceSampler
 
     V = 64
     rng = np.random.default_rng(0)
@@ -208,7 +208,7 @@ def test_sampler_matches_host_definitions():
 
 
 def test_sampler_top_k_top_p_support_and_seeds():
-    from llmserve.runners.torch.sampler import DeviceSampler
+    from llmserve.layers.sampler import DeviceSampler
 
     V = 50
     logits = torch.tensor(np.random.default_rng(1).normal(size=V).astype(np.float32) * 2)
@@ -241,8 +241,8 @@ def test_sampler_top_k_top_p_support_and_seeds():
 # ---------------------------------------------------------------- kernels against references
 @needs_kernels
 def test_norm_swiglu_kernels():
-    from llmserve.runners.torch.kernels.activation import swiglu, swiglu_ref
-    from llmserve.runners.torch.kernels.norm import rms_norm, rms_norm_ref
+    from llmserve.kernels.activation import swiglu, swiglu_ref
+    from llmserve.kernels.norm import rms_norm, rms_norm_ref
 
     dt = torch.bfloat16 if HAS_CUDA else torch.float32
     x = torch.randn(37, 200, device=DEV, dtype=dt)
@@ -267,8 +267,8 @@ def _cache_setup(T_kv_blocks=40, KVH=2, BS=16, D=32, dt=torch.float32):
 @pytest.mark.parametrize("H,KVH,D,wide", [(4, 2, 32, False), (8, 1, 64, False), (6, 2, 16, False), (8, 2, 64, True)])
 def test_rope_cache_kernel(H, KVH, D, wide):
     """wide: an fp32 qkv (the model's projection output) over a bf16 cache, as on CUDA."""
-    from llmserve.models.rope import rope_inv_freq
-    from llmserve.runners.torch.kernels.rotary import rope_and_cache, rope_and_cache_ref, rope_cos_sin
+    from llmserve.kernels.rotary import rope_and_cache, rope_and_cache_ref, rope_cos_sin
+    from llmserve.layers.rope import rope_inv_freq
 
     dt = torch.bfloat16 if HAS_CUDA else torch.float32
     T, BS, NB = 11, 8, 6
@@ -292,8 +292,8 @@ def test_rope_cache_kernel(H, KVH, D, wide):
 def test_rope_saturates_at_fp16_range_over_fp16_cache():
     """Over an fp16 cache (a bf16 model's) q, k and v beyond fp16's range are saturated when written,
     never inf; over a bf16 or fp32 cache they are kept as they are."""
-    from llmserve.models.rope import rope_inv_freq
-    from llmserve.runners.torch.kernels.rotary import rope_and_cache, rope_cos_sin
+    from llmserve.kernels.rotary import rope_and_cache, rope_cos_sin
+    from llmserve.layers.rope import rope_inv_freq
 
     H, KVH, D, T = 2, 1, 16, 3
     cs = rope_cos_sin(rope_inv_freq(D, 10000.0), 16, torch.device(DEV))
@@ -320,8 +320,8 @@ def test_paged_attention_kernel(decode_only, splits, wide_q):
     """wide_q: the model's layout on CUDA, fp32 q over an fp16 cache, output bf16. Against the exact
     attention of unrounded fp32 K/V, it must beat a bf16 cache with bf16 q (what a plain bf16 model
     does) and be within a little of the output's own bf16 rounding."""
+    from llmserve.kernels.attention import AttnMeta, paged_attention, paged_attention_ref, tile_tokens
     from llmserve.runners.torch.inputs import work_items
-    from llmserve.runners.torch.kernels.attention import AttnMeta, paged_attention, paged_attention_ref, tile_tokens
 
     dt = torch.bfloat16 if HAS_CUDA else torch.float32
     H, KVH, D, BS, NB = 8, 2, 32, 16, 64
@@ -369,7 +369,7 @@ def test_paged_attention_kernel(decode_only, splits, wide_q):
 
 @needs_kernels
 def test_gumbel_kernel_matches_reference():
-    from llmserve.runners.torch.kernels.sampling import gumbel_argmax, gumbel_argmax_ref, mix_key
+    from llmserve.kernels.sampling import gumbel_argmax, gumbel_argmax_ref, mix_key
 
     logits = torch.randn(6, 10000, device=DEV)
     inv_t = torch.tensor([0.0, 1.0, 2.0, 0.5, 1.0, 1.0], device=DEV)
@@ -381,7 +381,7 @@ def test_gumbel_kernel_matches_reference():
 def test_argmax_kernel_matches_torch(fresh_seed):
     """kernels/sampling.py's split argmax gives torch.argmax's indices: ties to the first, -inf rows, NaN, a vocabulary
     that no chunk divides, rows of a wider tensor (a stride)."""
-    from llmserve.runners.torch.kernels.sampling import argmax
+    from llmserve.kernels.sampling import argmax
 
     gen = torch.Generator().manual_seed(fresh_seed)
     for vocab in (1, 1000, 70001, 129 * 1024 + 3):
@@ -462,7 +462,7 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
 def test_one_stream_decode_matches_transformers(tmp_path, gemv_norm, monkeypatch):
     """One stream's decode steps run the GEMVs, with the norms in them (model.py `Normed`) or as kernels of their
     own (LLMSERVE_GEMV_NORM=0): its logits against HF's forward, as above."""
-    from llmserve.runners.torch import model
+    from llmserve.models import llama as model
 
     monkeypatch.setattr(model, "GEMV_NORM", gemv_norm)
     tiny_checkpoint(tmp_path, "llama", seed=5)
@@ -484,7 +484,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 )
 def test_8b_shaped_logits_and_greedy_match_transformers(tmp_path):
     """Issue 5 point 3: prefill + 64 decode steps in mixed batches vs HF on the same bf16 weights."""
-    from llmserve.runners.torch.random_model import write_random_checkpoint
+    from llmserve.models.random_model import write_random_checkpoint
     from llmserve.runners.torch.runner import TorchRunner
 
     shape = os.environ.get("LLMSERVE_PARITY_SHAPE", "llama3-8b")

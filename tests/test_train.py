@@ -25,8 +25,8 @@ from tokenizers import Tokenizer  # noqa: E402
 from llmserve.cli import main  # noqa: E402
 from llmserve.config import Config  # noqa: E402
 from llmserve.engine.request import Request  # noqa: E402
+from llmserve.engine.runner_contract import SeqChunk, StepBatch  # noqa: E402
 from llmserve.engine.sampling_params import SamplingParams  # noqa: E402
-from llmserve.runners.base import SeqChunk, StepBatch  # noqa: E402
 from llmserve.train import corpus as corpus_mod  # noqa: E402
 from llmserve.train.mtp import load_mtp  # noqa: E402
 from llmserve.train.presets import PRESETS  # noqa: E402

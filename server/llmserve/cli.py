@@ -39,8 +39,8 @@ def _export(args: argparse.Namespace) -> int:
 
 def _generate(args: argparse.Namespace) -> int:
     from llmserve.config import Config
-    from llmserve.engine.llm import LLM
     from llmserve.engine.sampling_params import SamplingParams
+    from llmserve.offline import LLM
 
     overrides = {}
     if args.block_bs is not None:

@@ -107,13 +107,13 @@ def _make_backend(args: argparse.Namespace) -> tuple[Backend, Vocab, ClientSpec 
     if args.backend == "engine":
         from llmserve.bench.engine_backend import EngineBackend
         from llmserve.engine.heap import freeze_startup_objects
-        from llmserve.engine.llm_engine import build_engine
+        from llmserve.serving.compose import build_engine
 
         engine = build_engine(dataclasses.replace(config, model_dir=args.model or config.model_dir))
         vocab = Vocab(_load_tokenizer(args.tokenizer) if args.tokenizer else engine.tokenizer)
         freeze_startup_objects()  # as the engine core does: the baseline without full-collection stalls
         return EngineBackend(engine, vocab, temperature=args.temperature, timeout=args.timeout), vocab, None
-    from llmserve.engine.loader import resolve_model_dir
+    from llmserve.runners.model_dir import resolve_model_dir
 
     tok_dir = args.tokenizer or str(
         resolve_model_dir(dataclasses.replace(config, model_dir=args.model or config.model_dir))

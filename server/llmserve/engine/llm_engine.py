@@ -12,20 +12,20 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
-from functools import partial
 
 from llmserve.config import Config
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.output_processor import TextState, check_stop_token
 from llmserve.engine.request import FinishReason, Request
+from llmserve.engine.runner_contract import ModelRunner, StepBatch, TokenLogprobs
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
-from llmserve.engine.speculative import DraftLength, SpecStats, StepMeter, build_proposer
+from llmserve.engine.spec_stage import SpecStage
+from llmserve.engine.speculative import build_proposer
 from llmserve.engine.step_time import StepTimes
 from llmserve.engine.step_trace import StepTrace
 from llmserve.engine.structured import GrammarMatchers
-from llmserve.runners.base import ModelRunner, StepBatch, TokenLogprobs
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,9 @@ class _Launch:
     for_spec: bool = False
     tokens: int = 0  # the tokens it computes
     expect: float | None = None  # its expected device seconds (StepTimes)
+    trace: str = ""  # its step-trace line (STEP_TRACE), written once it is taken in
+    t_sched: float = 0.0
+    t_launched: float = 0.0
 
 
 @dataclass
@@ -107,10 +110,7 @@ class LLMEngine:
             catch_up=config.prefill_catch_up,
         )
         # Speculative decoding (SPECULATE_METHOD): proposals verified in the next step.
-        self.proposer = build_proposer(config, runner)
-        k = config.speculate_max_draft_tokens
-        self.spec_stats = SpecStats(k)
-        self.draft_length = DraftLength(k, runner.saturation_tokens, config.speculate_adaptive)
+        self.spec = SpecStage(config, runner, build_proposer(config, runner))
         # Overlapped scheduling: step N+1 is scheduled and launched before step N's tokens are
         # taken in, so host work runs while the device computes (runners that launch asynchronously).
         # Not for a step that verifies proposals: they follow the tokens the step before accepted.
@@ -122,13 +122,31 @@ class LLMEngine:
         self._pending: list[RequestOutput] = []  # outputs of aborts, sent with the next step
         self._left: list[str] = []  # req_ids that left since the last step (for the runner)
         self._inflight: _Launch | None = None  # launched, output not taken in
-        self._last_done = 0.0  # when the last step's output was taken in
         self._times = StepTimes()  # device seconds per step, by size (the step in flight's time left)
-        self._meter = StepMeter()  # what the draft-length rule is told of each step
-        self._proposed = False  # the last step's requests may carry proposals (to clear)
         self._steps = self._prompt_tokens = self._gen_tokens = self._preemptions = 0
         self._step_time = self._schedule_time = self._execute_time = 0.0
         self._model_time = self._sample_time = self._output_time = 0.0
+
+    # Speculation's parts, as the stage holds them (tests and the benchmark script reach them here).
+    @property
+    def proposer(self):
+        return self.spec.proposer
+
+    @proposer.setter
+    def proposer(self, value) -> None:
+        self.spec.proposer = value
+
+    @property
+    def draft_length(self):
+        return self.spec.rule
+
+    @draft_length.setter
+    def draft_length(self, rule) -> None:
+        self.spec.rule = rule
+
+    @property
+    def spec_stats(self):
+        return self.spec.stats
 
     # ---- requests ------------------------------------------------------
     def add_request(
@@ -215,95 +233,71 @@ class LLMEngine:
         step N's tokens while N+1 runs (a request that ended in N has its N+1 token dropped).
         A step that verifies proposals is serial: they follow the tokens its predecessor accepted,
         so that one is taken in first; when the draft-length rule gives k = 0 (a busy engine),
-        steps overlap as without speculation.
+        steps overlap as without speculation. So is a step that samples for a grammar: the matcher
+        must have taken in the tokens before it to say what may come next.
 
         A step the device has already finished (the host fell behind: an eager prefill's launch, the
         server's own work) is taken in and returned alone: launching the next one first would hold
         its tokens for that launch, which takes tens of ms when the step prefills many prompts."""
         t0 = time.perf_counter()
         outputs, self._pending = self._pending, []
+        if self._finished_in_flight():
+            outputs += self._take_in(self._pop_inflight())
+        else:
+            batch, k = self.spec.plan(len(self.scheduler.running), len(self.scheduler.waiting))
+            serial = bool(k) or self.grammars.active()
+            if serial and self._inflight is not None:  # its period is part of the switch to a serial step
+                self._inflight.for_spec = True
+                outputs += self._take_in(self._pop_inflight())
+            launched = self._schedule_and_launch(t0, batch, k, serial)
+            done, self._inflight = (self._inflight, launched) if self.overlap and not serial else (launched, None)
+            if done is not None:
+                outputs += self._take_in(done)
+            self._trace_step(launched, t0)
+        self._step_time += time.perf_counter() - t0
+        return outputs
+
+    def _finished_in_flight(self) -> bool:
         f = self._inflight
-        if f is not None and self.runner.asynchronous and self.runner.done(f.handle):
-            self._inflight = None
-            outputs += self._take_in(f)
-            self._step_time += time.perf_counter() - t0
-            return outputs
-        spec = self.proposer is not None
-        batch = len(self.scheduler.running) + len(self.scheduler.waiting) if spec else 0
-        k = self._draft_length(batch) if spec else 0
-        # A step that samples for a grammar follows the tokens before it (the matcher must have taken
-        # them in to say what may come next): serial, like a step verifying proposals.
-        serial = bool(k) or self.grammars.active()
-        if serial and self._inflight is not None:
-            # Its device time overlapped the step before: its period is only what was left of it,
-            # part of the switch to a serial step (charged to that step, as the refill after it).
-            self._inflight.for_spec = True
-            outputs += self._take_in(self._inflight)
-            self._inflight = None
-        if spec:
-            self._propose(k)
+        return f is not None and self.runner.asynchronous and self.runner.done(f.handle)
+
+    def _pop_inflight(self) -> _Launch:
+        f, self._inflight = self._inflight, None
+        return f
+
+    def _schedule_and_launch(self, t0: float, batch: int, k: int, serial: bool) -> _Launch | None:
+        """Propose, schedule, attach the stages' per-chunk work, and launch the step on the runner."""
+        self.spec.propose(self.scheduler.running, k, self._left, self.max_model_len)
         sched = self.scheduler.schedule()
-        if k:
-            self.proposer.fill(sched.chunks)
-        if self.grammars.active():  # computed when the runner samples: while the device runs the model
-            for c in sched.chunks:
-                if c.sample and c.request.req_id in self.grammars.matchers:
-                    c.token_bitmask = partial(self.grammars.bitmask, c.request.req_id, list(c.draft_token_ids))
+        self.spec.fill(sched.chunks, k)
+        self.grammars.attach(sched.chunks)  # masks computed when the runner samples, while the device runs
         self._preemptions += len(sched.preempted)
         trace = self._trace.scheduled(sched, self.scheduler, self.block_manager) if self._trace and sched.chunks else ""
         t_sched = time.perf_counter()
         launched = None
         if sched.chunks:
             left, self._left = self._left, []
-            # A proposer's per-step state (mtp) is kept only while a step soon may speculate.
-            keep = not spec or k > 0 or not self.proposer.per_step_state or self.draft_length.may_speculate_next(batch)
-            step = StepBatch(sched.chunks, finished_req_ids=left, proposer_state=keep)
-            launched = _Launch(sched, self.runner.submit(step), batch, k, t0, serial or not self.overlap)
+            keep = self.spec.keep_state(k, batch)
+            handle = self.runner.submit(StepBatch(sched.chunks, finished_req_ids=left, proposer_state=keep))
+            launched = _Launch(sched, handle, batch, k, t0, serial or not self.overlap)
             launched.tokens = sched.num_tokens
             launched.expect = self._times.expect(launched.tokens)
-            # A plain step that kept the proposer's state served speculation (StepMeter), unless it
-            # is the first at this load: plain decoding's yardstick.
-            served = spec and not k and keep and self.proposer.per_step_state
-            launched.for_spec = served and self.draft_length.rate(batch, 0) is not None
+            launched.for_spec = self.spec.serves_spec(k, keep, batch)
+            launched.trace, launched.t_sched = trace, t_sched
             self._steps += 1
         t1 = time.perf_counter()
         self._schedule_time += t1 - t0
         if launched is not None:
             self._times.launched(t1 - t0)
-        overlap = self.overlap and not serial
-        done, self._inflight = (self._inflight, launched) if overlap else (launched, None)
-        if done is not None:
-            outputs += self._take_in(done)
-        t2 = time.perf_counter()
-        self._step_time += t2 - t0
-        if trace:
-            self._trace.write(trace, t_sched - t0, t1 - t_sched, t2 - t1)
-        return outputs
+            launched.t_launched = t1
+        return launched
 
-    def _draft_length(self, batch: int) -> int:
-        """Drafts per request for the next step: the rule's k for the load (running requests and
-        those waiting: their prompts come first, and a verification step would hold them up), capped
-        so that the step samples at most the rows the runner has room for."""
-        k = self.draft_length.choose(batch, self.spec_stats.acceptance)
-        cap = self.runner.max_sampled_rows
-        if cap and batch:  # the sampler's scratch (and the KV sizing) allow that many rows a step
-            k = max(0, min(k, cap // batch - 1))
-        return k
-
-    def _propose(self, k: int) -> None:
-        """Proposals (k each) for the decoding requests; stale ones are cleared."""
-        if self._left:
-            self.proposer.drop(self._left)
-        if not k and not self._proposed:  # a plain step after plain steps: nothing to clear or propose
-            return
-        self._proposed = bool(k)
-        decoding = []
-        for req in self.scheduler.running:
-            req.draft_token_ids, req.draft_probs = [], None
-            if req.num_tokens - req.num_computed_tokens == 1 and not req.done_sampling(self.max_model_len):
-                decoding.append(req)
-        if k and decoding:
-            self.proposer.propose(decoding, k)
+    def _trace_step(self, launched: _Launch | None, t0: float) -> None:
+        if launched is not None and launched.trace:
+            t2 = time.perf_counter()
+            self._trace.write(
+                launched.trace, launched.t_sched - t0, launched.t_launched - launched.t_sched, t2 - launched.t_launched
+            )
 
     def _take_in(self, launch: _Launch) -> list[RequestOutput]:
         """Wait for a launched step's tokens and apply them: stops, lengths, text."""
@@ -332,24 +326,12 @@ class LLMEngine:
             out = self._append(req, tokens, lps, now)
             self.scheduler.rollback(chunk, len(tokens))
             outputs.append(out)
-        if verified:
-            self.spec_stats.record(verified)
+        self.spec.record(verified)
         self.scheduler.update(sched)
         done = time.perf_counter()
         self._output_time += done - t2
-        if self.proposer is not None:  # speculation's measure of the step (StepMeter)
-            if all(c.num_tokens == c.num_sampled_rows for c in sched.chunks):  # decoding
-                # Launched after its predecessor was taken in (the first after a serial step), it
-                # ran with nothing to overlap: a refill.
-                refill = not launch.serial and launch.t_launch > self._last_done
-                period = done - (self._last_done or launch.t_launch)
-                tokens = sum(len(t) for t in result.token_ids)
-                self._meter.step(
-                    self.draft_length, launch.batch, launch.k, period, tokens, launch.serial, launch.for_spec, refill
-                )
-            else:
-                self._meter.other(self.draft_length)
-        self._last_done = done
+        decoding = all(c.num_tokens == c.num_sampled_rows for c in sched.chunks)
+        self.spec.measure(launch, decoding, sum(len(t) for t in result.token_ids), done)
         return outputs
 
     def _append(self, req: Request, tokens: list[int], lps: list | None, now: float) -> RequestOutput:
@@ -438,22 +420,14 @@ class LLMEngine:
             model_time=self._model_time,
             sample_time=self._sample_time,
             output_time=self._output_time,
-            spec_verified=self.spec_stats.verified,
-            spec_draft_tokens=self.spec_stats.drafted,
-            spec_accepted_tokens=self.spec_stats.accepted,
-            spec_drafted_at=list(self.spec_stats.drafted_at),
-            spec_accepted_at=list(self.spec_stats.accepted_at),
+            spec_verified=self.spec.stats.verified,
+            spec_draft_tokens=self.spec.stats.drafted,
+            spec_accepted_tokens=self.spec.stats.accepted,
+            spec_drafted_at=list(self.spec.stats.drafted_at),
+            spec_accepted_at=list(self.spec.stats.accepted_at),
         )
 
     def shutdown(self) -> None:
         if self._trace is not None:
             self._trace.close()
         self.runner.shutdown()
-
-
-def build_engine(config: Config) -> LLMEngine:
-    """Load the model of `config.model_dir` (the demo model when none) with the right runner."""
-    from llmserve.engine.loader import load_model
-
-    runner, tokenizer = load_model(config)
-    return LLMEngine(config, runner, tokenizer)

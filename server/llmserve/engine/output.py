@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from llmserve.runners.base import TokenLogprobs
+
+@dataclass
+class TokenLogprobs:
+    logprob: float  # of the sampled token
+    top: list[tuple[int, float]]  # (token id, logprob), best first
 
 
 @dataclass

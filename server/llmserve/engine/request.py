@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from llmserve.engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # runners.base imports this module
-    from llmserve.runners.base import TokenLogprobs
+if TYPE_CHECKING:
+    from llmserve.engine.output import TokenLogprobs
 
 PENDING = -1  # the id of a token sampled by a step still in flight
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import numpy as np
 
 from llmserve.engine.request import Request
+from llmserve.engine.runner_contract import SeqChunk, TokenLogprobs
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.structured import allowed_tokens
-from llmserve.runners.base import SeqChunk, TokenLogprobs
 
 
 def bias_arrays(bias: dict[int, float], vocab: int) -> tuple[np.ndarray, np.ndarray]:

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.request import Request, RequestStatus
-from llmserve.runners.base import SeqChunk
+from llmserve.engine.runner_contract import SeqChunk
 
 RECENT_STEPS = 8  # catch-up saves budget for this many steps after a request ended
 

@@ -25,9 +25,9 @@ import abc
 
 import numpy as np
 
-from llmserve.config import Config, ConfigError
+from llmserve.config import Config
 from llmserve.engine.request import Request
-from llmserve.runners.base import ModelRunner, SeqChunk
+from llmserve.engine.runner_contract import ModelRunner, SeqChunk
 
 
 class Proposer(abc.ABC):
@@ -100,23 +100,7 @@ def build_proposer(config: Config, runner: ModelRunner) -> Proposer | None:
     if config.speculate_method == "ngram":
         return NgramProposer(config.speculate_max_ngram_size)
     if config.speculate_method in ("draft", "mtp"):
-        try:
-            from llmserve.runners.torch.runner import TorchRunner
-        except ImportError:  # no torch: then the runner is not a TorchRunner either
-            TorchRunner = None  # noqa: N806
-        if TorchRunner is None or not isinstance(runner, TorchRunner):
-            raise ConfigError(
-                f"SPECULATE_METHOD={config.speculate_method} runs on the torch runner only, and this model is "
-                f"served by {type(runner).__name__} (a Paddle static-graph MODEL_DIR or LLMSERVE_RUNNER=paddle): "
-                "use SPECULATE_METHOD=ngram, or serve an HF safetensors model with LLMSERVE_RUNNER=torch"
-            )
-        if config.speculate_method == "mtp":
-            from llmserve.runners.torch.mtp import MTPProposer
-
-            return MTPProposer(runner)
-        from llmserve.runners.torch.draft import DraftModelProposer
-
-        return DraftModelProposer(config, runner)
+        return runner.build_proposer(config)  # the runner owns and runs a model-based proposer
     return None  # "none"
 
 

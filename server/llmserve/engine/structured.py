@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from functools import partial
 
 import numpy as np
 
@@ -83,6 +84,15 @@ class GrammarMatchers:
 
     def active(self) -> bool:
         return bool(self.matchers)
+
+    def attach(self, chunks: list) -> None:
+        """Give each sampling chunk of a constrained request its bitmask, as a closure the runner calls
+        when it samples (so the mask is computed while the device runs the model)."""
+        if not self.matchers:
+            return
+        for c in chunks:
+            if c.sample and c.request.req_id in self.matchers:
+                c.token_bitmask = partial(self.bitmask, c.request.req_id, list(c.draft_token_ids))
 
     def bitmask(self, req_id: str, drafts: list[int] = ()) -> np.ndarray:
         """Rows of int32 words, bit t of word t // 32 set when token t may come next: row j after the

@@ -41,8 +41,8 @@ from tritonclient.grpc import service_pb2, service_pb2_grpc
 from llmserve.protocol import ABORT_PARAM
 from llmserve.protocol.native import error_response
 from llmserve.serving import intake_trace
-from llmserve.triton.channel import channel_args
-from llmserve.triton.launcher import MODEL_NAME
+from llmserve.serving.grpc_channel import channel_args
+from llmserve.serving.tritonserver import MODEL_NAME
 
 log = logging.getLogger("llmserve.http")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from llmserve.models.config import ModelConfig
+from llmserve.layers.model_config import ModelConfig
 
 DEMO_HF_DIR = Path(__file__).resolve().parent / "demo_model"
 # sha256 of demo_model/model.safetensors: `llmserve train --preset demo --device cpu --seed 0` on the

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from llmserve.models.config import ModelConfig
+from llmserve.layers.model_config import ModelConfig
 from llmserve.models.export_mp import check_mp, rank_shards, write_rank_files, write_rank_mapping
 from llmserve.models.layout import detect_model_format  # noqa: F401 - re-exported for callers
 from llmserve.models.llama_paddle import LlamaPaddle, build_paged_program, param_shapes, random_weights

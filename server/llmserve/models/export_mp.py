@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import paddle
 
-from llmserve.models.config import ModelConfig
+from llmserve.layers.model_config import ModelConfig
 from llmserve.models.llama_paddle import LlamaPaddle
 
 RING_ID = 0  # the model-parallel group: every rank (rank_mapping.csv)

@@ -20,7 +20,7 @@ from collections.abc import Callable
 import numpy as np
 import paddle
 
-from llmserve.models.config import ModelConfig
+from llmserve.layers.model_config import ModelConfig
 
 # Graph inputs besides the caches: (name, shape, dtype). -1 = dynamic.
 INPUT_SPECS: list[tuple[str, list[int], str]] = [

@@ -29,10 +29,10 @@ import urllib.request
 from pathlib import Path
 
 from llmserve.config import Config, ConfigError
-from llmserve.dist.layout import layout
+from llmserve.runners.rank_layout import layout
 from llmserve.serving.ports import bind_error
 from llmserve.serving.supervisor import http_frontend_enabled
-from llmserve.triton.launcher import shm_prefix
+from llmserve.serving.tritonserver import shm_prefix
 
 RUN_FILE = "llmserve.run.json"
 LOG_GENERATIONS = 5  # a start keeps the logs of this many earlier starts: engine.log.1 (the last) .. engine.log.5
@@ -230,7 +230,7 @@ def start() -> int:
 def _start_worker_node(cfg: Config, node: int, run_file: Path, out) -> int:
     """A node other than 0 runs only its ranks (dist/node.py), which wait for node 0's rank 0."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llmserve.dist.node"],
+        [sys.executable, "-m", "llmserve.executor.node"],
         stdin=subprocess.DEVNULL,
         stdout=out,
         stderr=subprocess.STDOUT,

@@ -40,7 +40,6 @@ Run: `python -m llmserve.serving.engine_core ENDPOINT` (the engine server does).
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import math
 import os
@@ -60,7 +59,7 @@ from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.speculative import SpecStats
 from llmserve.serving.arrival_wait import CAP_S, POLL_S, ArrivalWait
 from llmserve.serving.ipc import dumps, endpoint, loads
-from llmserve.serving.process_exit import exit_now
+from llmserve.utils.process import die_with_parent, exit_now
 
 log = logging.getLogger("llmserve.engine_core")
 
@@ -251,17 +250,10 @@ def warmup(engine: LLMEngine, config: Config) -> None:
         engine.step()
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
 def main() -> None:
-    _die_with_parent()
+    die_with_parent()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from llmserve.engine.loader import load_model
+    from llmserve.serving.compose import load_model
 
     config = Config.from_env()
     t0 = time.monotonic()

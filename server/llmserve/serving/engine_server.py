@@ -40,8 +40,8 @@ from llmserve.protocol.native import NativeError
 from llmserve.serving import intake_trace, responses
 from llmserve.serving.engine_core import CoreLink, spec_sum
 from llmserve.serving.ipc import HEARTBEAT_S, dumps, endpoint, loads
-from llmserve.serving.process_exit import exit_now
 from llmserve.serving.responses import Live
+from llmserve.utils.process import exit_now
 
 log = logging.getLogger("llmserve.engine_server")
 
@@ -410,8 +410,8 @@ def listen(config: Config) -> zmq.Socket:
 def start(config: Config) -> EngineServer:
     """Listen for the adapters, resolve the model (building the demo model when none), start the core,
     load the tokenizer."""
-    from llmserve.engine.loader import resolve_model_dir
     from llmserve.engine.tokenizer import load_tokenizer
+    from llmserve.runners.model_dir import resolve_model_dir
 
     sock = listen(config)
     core = None

@@ -39,19 +39,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import msgpack
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from llmserve.utils.wire import dumps, loads  # noqa: F401 - the wire's codec, for its users
+
 HEARTBEAT_S = 0.5
-
-
-def dumps(msg: dict[str, Any]) -> bytes:
-    return msgpack.packb(msg, use_bin_type=True)
-
-
-def loads(raw: bytes) -> dict[str, Any]:
-    return msgpack.unpackb(raw, raw=False, strict_map_key=False)
 
 
 MAX_RECV = 10_000  # messages taken per recv_all: the caller's loop gets its turn under a flood

@@ -19,13 +19,23 @@ from __future__ import annotations
 import json
 import re
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 from urllib.parse import unquote
 
 import llmserve
 
-if TYPE_CHECKING:
-    from llmserve.serving.supervisor import Supervisor
+
+class Probed(Protocol):
+    """What the probes read of the process that serves them (serving/supervisor.py's Supervisor)."""
+
+    model_name: str
+    model_versions: Any
+    model_metadata: dict | None
+    metrics: Any
+    triton_metrics: Any
+
+    def health(self) -> tuple[int, str]: ...
+
 
 SERVER_NAME = "llmserve"
 _MODEL_PATH = re.compile(r"^/v2/models/([^/]+)(?:/versions/([^/]+))?(/ready)?$")
@@ -79,7 +89,7 @@ class _Handler(BaseHTTPRequestHandler):
     do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _method_not_allowed
 
     @property
-    def supervisor(self) -> Supervisor:
+    def supervisor(self) -> Probed:
         return self.server.supervisor  # type: ignore[attr-defined]
 
 
@@ -110,7 +120,7 @@ class HealthHandler(_Handler):
 
     do_HEAD = do_GET
 
-    def _ready(self, sup: Supervisor) -> None:
+    def _ready(self, sup: Probed) -> None:
         code, msg = sup.health()
         if code == 0:
             self._json(200, {"status": "ready"})

@@ -40,7 +40,7 @@ from llmserve.config import Config
 from llmserve.serving.ipc import EngineLink
 from llmserve.serving.metrics import EngineMetrics, TritonMetrics
 from llmserve.serving.probes import HealthHandler, MetricsHandler, model_metadata
-from llmserve.triton.launcher import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, triton_command
+from llmserve.serving.tritonserver import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, triton_command
 
 log = logging.getLogger("llmserve.supervisor")
 
@@ -265,7 +265,7 @@ class Supervisor:
     def _poll_triton(self) -> None:
         import tritonclient.grpc as grpcclient
 
-        from llmserve.triton.channel import channel_args
+        from llmserve.serving.grpc_channel import channel_args
 
         url = f"{self.cfg.local_host}:{self.cfg.service_grpc_port}"
         client = grpcclient.InferenceServerClient(url, channel_args=channel_args())

@@ -18,8 +18,8 @@ from collections.abc import Iterator
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from llmserve.triton.channel import channel_args
-from llmserve.triton.launcher import MODEL_NAME
+from llmserve.serving.grpc_channel import channel_args
+from llmserve.serving.tritonserver import MODEL_NAME
 
 
 def _input(data: bytes) -> grpcclient.InferInput:

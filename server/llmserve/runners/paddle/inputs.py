@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from llmserve.runners.base import SeqChunk
+from llmserve.engine.runner_contract import SeqChunk
 
 MAX_TILE = 64  # largest query tile; K/V gather memory is (T / Qc) x L x kv_dim per layer
 

@@ -5,7 +5,7 @@ An `llmserve export --mp N` holds one static graph per rank whose collectives (`
 communicator itself only on GPU builds (NCCL, from rank_mapping.csv); on CPU each rank joins a gloo
 process group before its predictor runs, and the graph's CPU kernels use it.
 
-The ranks are llmserve.dist's (rank 0 in the engine core, the others worker processes); they meet on
+The ranks are llmserve.executor's (rank 0 in the engine core, the others worker processes); they meet on
 its torch.distributed store (dist/group.py), which also carries what Paddle needs:
 - `paddle/ring`: the process group's id, from rank 0: new for each group its process starts;
 - `paddle/store`: host:port of Paddle's own store, which rank 1 opens (a worker, so that the port
@@ -29,12 +29,7 @@ from dataclasses import dataclass
 import paddle
 from paddle.base import core
 
-from llmserve.config import Config
-from llmserve.dist.group import RendezvousError
-from llmserve.dist.layout import Layout
-from llmserve.engine.sampler import Sampler
-
-from .runner import PaddleRunner
+from llmserve.runners.rank_layout import Layout, RendezvousError
 
 log = logging.getLogger(__name__)
 
@@ -56,15 +51,6 @@ class PaddleRank:
         t = paddle.to_tensor([n], dtype="int64", place=paddle.CPUPlace())
         self.group.all_reduce(t, core.ReduceOp.MIN, True)
         return int(t.item())
-
-
-def load_rank(model_dir: str, config: Config, lay: Layout, rank: int, store, threads: int, check=None) -> PaddleRunner:
-    """Join the group's Paddle communicator, then load graph rank_<rank>. `store`: the rendezvous
-    store (group.join); `check()` raises when a rank that rank 0 started died meanwhile."""
-    group = join_gloo(lay, rank, store, config.dist_timeout, check)
-    return PaddleRunner(
-        model_dir, config, Sampler(config.seed), PaddleRank(rank, lay.world, lay.per_node, threads, group)
-    )
 
 
 def join_gloo(lay: Layout, rank: int, store, timeout: float, check=None):

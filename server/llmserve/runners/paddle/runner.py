@@ -4,7 +4,7 @@ The graph (docs/model_format.md) takes one packed step and writes its K/V into p
 caches in place. The caches are Paddle tensors owned here and bound to the predictor once
 (`share_external_data`); each step only copies the small index arrays in.
 
-With MP_NUM > 1 each rank of llmserve.dist's group runs one of these over its graph `rank_<r>`
+With MP_NUM > 1 each rank of llmserve.executor's group runs one of these over its graph `rank_<r>`
 (ranks.py joins the graph's communicator first); every rank ends a step with the whole logits.
 """
 
@@ -23,10 +23,7 @@ import paddle.inference as paddle_infer
 from paddle.base import core
 
 from llmserve.config import Config
-from llmserve.models.config import ModelConfig
-from llmserve.models.layout import ModelFormatError, detect_model_format, paddle_program_path
-from llmserve.models.llama_paddle import INPUT_SPECS, cache_names
-from llmserve.runners.base import (
+from llmserve.engine.runner_contract import (
     ModelRunner,
     SeqChunk,
     StepBatch,
@@ -34,6 +31,9 @@ from llmserve.runners.base import (
     TokenLogprobs,
     split_prompt_logprobs,
 )
+from llmserve.layers.model_config import ModelConfig
+from llmserve.models.layout import ModelFormatError, detect_model_format, paddle_program_path
+from llmserve.models.llama_paddle import INPUT_SPECS, cache_names
 from llmserve.runners.paddle.inputs import build_step_inputs
 from llmserve.runners.paddle.opcheck import check_kernels
 
@@ -163,7 +163,7 @@ class PaddleRunner(ModelRunner):
         check_config(self.model_dir, config)
         if config.mp_num > 1 and rank is None:
             raise ValueError(
-                f"MP_NUM={config.mp_num}: the Paddle runner's ranks start through llmserve.dist's executor"
+                f"MP_NUM={config.mp_num}: the Paddle runner's ranks start through llmserve.executor's executor"
             )
         self.rank = rank
         self.config = config

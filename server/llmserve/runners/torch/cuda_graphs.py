@@ -24,11 +24,10 @@ import numpy as np
 import torch
 
 from llmserve.engine.request import PENDING
-from llmserve.runners.base import SeqChunk
-
-from .inputs import PinnedStaging, StepInputs
-from .kernels.attention import AttnMeta, tile_tokens
-from .kv_cache import KVCache
+from llmserve.engine.runner_contract import SeqChunk
+from llmserve.kernels.attention import AttnMeta, tile_tokens
+from llmserve.layers.kv_cache import KVCache
+from llmserve.runners.torch.inputs import PinnedStaging, StepInputs
 
 log = logging.getLogger(__name__)
 

@@ -43,12 +43,10 @@ import torch
 from llmserve.config import Config, ConfigError
 from llmserve.engine.block_manager import BlockManager
 from llmserve.engine.request import Request
+from llmserve.engine.runner_contract import ModelRunner, SeqChunk, StepBatch
 from llmserve.engine.speculative import Proposer
-from llmserve.models.config import ModelConfig
-from llmserve.runners.base import SeqChunk, StepBatch
-
-from .inputs import FedChunk
-from .runner import TorchRunner
+from llmserve.layers.model_config import ModelConfig
+from llmserve.runners.torch.inputs import FedChunk
 
 log = logging.getLogger(__name__)
 
@@ -108,10 +106,11 @@ def check_draft_dir(path: str, target_vocab: int) -> ModelConfig:
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, config: Config, target: TorchRunner) -> None:
+    def __init__(self, config: Config, target: ModelRunner) -> None:  # target: a TorchRunner
         path = config.speculate_model_path
         check_draft_dir(path, target.vocab_size)
-        self.runner = TorchRunner(path, draft_config(config, target.num_kv_blocks))
+        # The draft runs in a runner of the target's own class (built by it: TorchRunner.build_proposer).
+        self.runner = type(target)(path, draft_config(config, target.num_kv_blocks))
         if self.runner.device != target.device:  # pragma: no cover - both follow LLMSERVE_DEVICE
             raise ConfigError(f"SPECULATE_MODEL_PATH={path!r}: the draft runs on {self.runner.device}")
         self.block_manager = BlockManager(self.runner.num_kv_blocks, self.runner.block_size, False)

@@ -15,9 +15,8 @@ import numpy as np
 import torch
 
 from llmserve.engine.request import PENDING
-from llmserve.runners.base import SeqChunk
-
-from .kernels.attention import AttnMeta
+from llmserve.engine.runner_contract import SeqChunk
+from llmserve.kernels.attention import AttnMeta
 
 
 @dataclass

@@ -51,15 +51,15 @@ import torch.nn.functional as F
 
 from llmserve.config import Config, ConfigError
 from llmserve.engine.request import Request
+from llmserve.engine.runner_contract import SeqChunk, StepBatch
 from llmserve.engine.speculative import Proposer
-from llmserve.runners.base import SeqChunk, StepBatch
-
-from .inputs import FedChunk, StepInputs, host_arrays
-from .kernels.norm import rms_norm
-from .kv_cache import LayerKV
-from .linear import Linear
-from .model import DecoderModel, LayerWeights, _Reader, load_layer
-from .quant.methods import load_linear
+from llmserve.kernels.norm import rms_norm
+from llmserve.layers.kv_cache import LayerKV
+from llmserve.layers.linear import Linear
+from llmserve.layers.quant.methods import load_linear
+from llmserve.layers.weights import WeightReader
+from llmserve.models.llama import DecoderModel, LayerWeights, load_layer
+from llmserve.runners.torch.inputs import FedChunk, StepInputs, host_arrays
 
 
 @dataclass
@@ -79,7 +79,7 @@ def find_mtp(model_dir: str, config: Config, hidden_size: int) -> tuple[Path, st
     d = Path(where)
     if not d.is_dir() or not any(d.glob("*.safetensors")):
         raise ConfigError(f"SPECULATE_METHOD=mtp: {setting}={where!r} is not an HF safetensors checkpoint")
-    reader = _Reader(d, torch.device("cpu"), torch.float32)
+    reader = WeightReader(d, torch.device("cpu"), torch.float32)
     prefixes = sorted(
         (n[: -len("eh_proj.weight")] for n in reader.where if n.endswith(".eh_proj.weight")),
         key=lambda p: int(p.split(".")[-2]) if p.split(".")[-2].isdigit() else 0,
@@ -110,7 +110,7 @@ class MTPHead:
         self.model = model
         self.upload = upload  # Uploader.upload: host int32 arrays to the device through pinned memory
         d, p = find_mtp(model_dir, config, model.cfg.hidden_size)
-        r = _Reader(d, model.device, model.dtype)
+        r = WeightReader(d, model.device, model.dtype)
         method = model.method  # the module is quantized as the trunk is (a dense tensor stays dense)
         self.w = MTPWeights(
             r.get(p + "enorm.weight"), r.get(p + "hnorm.weight"), load_linear(method, r, (p + "eh_proj.", None)),

@@ -19,19 +19,18 @@ import numpy as np
 import torch
 
 from llmserve.config import Config
-from llmserve.models.config import ModelConfig
-from llmserve.runners.base import ModelRunner, SeqChunk, StepBatch, StepResult, split_prompt_logprobs
-
-from .cuda_graphs import DecodeGraphs, VerifyPack, decode_splits
-from .inputs import StepInputs, Uploader, host_arrays, work_items
-from .kernels import pdl
-from .kernels.attention import AttnMeta, tile_tokens
-from .kv_cache import kv_spec_for
-from .model import DecoderModel
-from .mtp import MTPHead
-from .parallel import SINGLE, TensorParallel, check_shardable
-from .quant.methods import method_for
-from .sampler import DeviceSampler
+from llmserve.engine.runner_contract import ModelRunner, SeqChunk, StepBatch, StepResult, split_prompt_logprobs
+from llmserve.kernels import pdl
+from llmserve.kernels.attention import AttnMeta, tile_tokens
+from llmserve.layers.kv_cache import kv_spec_for
+from llmserve.layers.model_config import ModelConfig
+from llmserve.layers.parallel import SINGLE, TensorParallel, check_shardable
+from llmserve.layers.quant.methods import method_for
+from llmserve.layers.sampler import DeviceSampler
+from llmserve.models.llama import DecoderModel
+from llmserve.runners.torch.cuda_graphs import DecodeGraphs, VerifyPack, decode_splits
+from llmserve.runners.torch.inputs import StepInputs, Uploader, host_arrays, work_items
+from llmserve.runners.torch.mtp import MTPHead
 
 log = logging.getLogger(__name__)
 
@@ -418,6 +417,17 @@ class TorchRunner(ModelRunner):
 
     def execute(self, batch: StepBatch) -> StepResult:
         return self.result(self.submit(batch))
+
+    def build_proposer(self, config: Config):
+        if config.speculate_method == "mtp":
+            from llmserve.runners.torch.mtp import MTPProposer
+
+            return MTPProposer(self)
+        if config.speculate_method == "draft":
+            from llmserve.runners.torch.draft import DraftModelProposer
+
+            return DraftModelProposer(config, self)
+        return super().build_proposer(config)
 
     def shutdown(self) -> None:
         self.graphs = None

@@ -1,0 +1,97 @@
+"""Speculative decoding as a stage of the engine step (LLMEngine.step calls it at fixed points).
+
+Before scheduling: how many drafts per request this step verifies (`plan`; the draft-length rule of
+speculative.py) and the proposals themselves (`propose`). After scheduling: the proposer's per-step
+state for the scheduled chunks (`fill`), and whether the runner keeps it (`keep_state`). After a step
+is taken in: acceptance counts (`record`) and the step's cost for the rule (`measure`). Without a
+proposer every call is a no-op and `plan` gives k = 0.
+"""
+
+from __future__ import annotations
+
+from llmserve.config import Config
+from llmserve.engine.request import Request
+from llmserve.engine.runner_contract import ModelRunner, SeqChunk
+from llmserve.engine.speculative import DraftLength, Proposer, SpecStats, StepMeter
+
+
+class SpecStage:
+    def __init__(self, config: Config, runner: ModelRunner, proposer: Proposer | None) -> None:
+        self.proposer = proposer
+        k = config.speculate_max_draft_tokens
+        self.stats = SpecStats(k)
+        self.rule = DraftLength(k, runner.saturation_tokens, config.speculate_adaptive)
+        self.max_rows = runner.max_sampled_rows  # the sampler's scratch (and the KV sizing) per step
+        self._meter = StepMeter()  # what the draft-length rule is told of each step
+        self._proposed = False  # the last step's requests may carry proposals (to clear)
+        self._last_done = 0.0  # when the last step's output was taken in
+
+    @property
+    def on(self) -> bool:
+        return self.proposer is not None
+
+    def plan(self, running: int, waiting: int) -> tuple[int, int]:
+        """(load, k): the requests running and waiting (their prompts come first, and a verification
+        step would hold them up), and the drafts per request for the next step: the rule's k for that
+        load, capped so that the step samples at most the rows the runner has room for."""
+        if not self.on:
+            return 0, 0
+        batch = running + waiting
+        k = self.rule.choose(batch, self.stats.acceptance)
+        if self.max_rows and batch:
+            k = max(0, min(k, self.max_rows // batch - 1))
+        return batch, k
+
+    def propose(self, running: list[Request], k: int, left: list[str], max_model_len: int) -> None:
+        """Proposals (k each) for the decoding requests; stale ones are cleared, and the proposer
+        forgets the requests that left."""
+        if not self.on:
+            return
+        if left:
+            self.proposer.drop(left)
+        if not k and not self._proposed:  # a plain step after plain steps: nothing to clear or propose
+            return
+        self._proposed = bool(k)
+        decoding = []
+        for req in running:
+            req.draft_token_ids, req.draft_probs = [], None
+            if req.num_tokens - req.num_computed_tokens == 1 and not req.done_sampling(max_model_len):
+                decoding.append(req)
+        if k and decoding:
+            self.proposer.propose(decoding, k)
+
+    def fill(self, chunks: list[SeqChunk], k: int) -> None:
+        if k:
+            self.proposer.fill(chunks)
+
+    def keep_state(self, k: int, batch: int) -> bool:
+        """Whether the runner keeps the proposer's per-step state (mtp) in this step: only while a step
+        soon may speculate."""
+        p = self.proposer
+        return p is None or k > 0 or not p.per_step_state or self.rule.may_speculate_next(batch)
+
+    def serves_spec(self, k: int, keep: bool, batch: int) -> bool:
+        """A plain step that kept the proposer's state served speculation (StepMeter), unless it is the
+        first at this load: plain decoding's yardstick."""
+        p = self.proposer
+        served = p is not None and not k and keep and p.per_step_state
+        return served and self.rule.rate(batch, 0) is not None
+
+    def record(self, verified: list[tuple[int, int]]) -> None:
+        if verified:
+            self.stats.record(verified)
+
+    def measure(self, launch, decoding: bool, tokens: int, done: float) -> None:
+        """Tell the rule what the step taken in at `done` cost (`launch`: the engine's _Launch)."""
+        if self.on:
+            if decoding:
+                # Launched after its predecessor was taken in (the first after a serial step), it ran
+                # with nothing to overlap: a refill.
+                refill = not launch.serial and launch.t_launch > self._last_done
+                period = done - (self._last_done or launch.t_launch)
+                self._meter.step(
+                    self.rule, launch.batch, launch.k, period, tokens, launch.serial, launch.for_spec, refill
+                )
+            else:
+                self._meter.other(self.rule)
+        self._last_done = done

@@ -1,0 +1,1 @@
+"""Layers the models are built of: linear (+ quantization methods), attention, rotary, norms, sampler."""
