@@ -318,7 +318,7 @@ def test_64_concurrent_streams(stack):
 
 def test_intake_trace_marks_every_layer_in_order(stack):
     """LLMSERVE_INTAKE_TRACE: every process of the stack appends its marks to one file; each request
-    has one mark a layer, in the order it met them; scripts/intake_report.py summarizes the file."""
+    has one mark a layer, in the order it met them; scripts/lab/intake_report.py summarizes the file."""
     from llmserve.serving.intake_trace import LAYERS
 
     url = stack["base"] + "/v1/chat/completions"
@@ -346,7 +346,7 @@ def test_intake_trace_marks_every_layer_in_order(stack):
         assert path == sorted(path), marks[rid]
         assert got["http"] <= got["http_sent"] <= got["http_first"], marks[rid]
     r = subprocess.run(
-        [sys.executable, str(ROOT / "scripts/intake_report.py"), str(trace), "--gap", "3600"],
+        [sys.executable, str(ROOT / "scripts/lab/intake_report.py"), str(trace), "--gap", "3600"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr

@@ -6,7 +6,7 @@
 # a NAME holding "check" runs the correctness check only (greedy tokens against MP_NUM=1).
 # Results in $OUT.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/tp-push-out}"
 mkdir -p "$OUT"
 pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING | tail -2

@@ -6,7 +6,7 @@ For each projection of the 8B shape, random weights quantized to canonical w4 (g
 out as the model asks (tinygemm writes bf16: its cast to fp32 is counted), and the floor (the 4-bit weights and
 a word a group at this run's copy bandwidth). CUDA-graph replays over enough weight copies to miss L2.
 
-    PYTHONPATH=server:scripts python scripts/bench_gemv4.py --out gemv4_rows.json
+    PYTHONPATH=server:scripts python scripts/lab/bench_gemv4.py --out gemv4_rows.json
 """
 
 from __future__ import annotations

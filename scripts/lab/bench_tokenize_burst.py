@@ -5,7 +5,7 @@
 Prompts: --n windows of --chars characters of Python stdlib source (argparse.py, typing.py, ...).
 Prints the median of --reps of each and checks that both give the same ids.
 
-Usage: PYTHONPATH=server python scripts/bench_tokenize_burst.py [--n 256] [--chars 2000]
+Usage: PYTHONPATH=server python scripts/lab/bench_tokenize_burst.py [--n 256] [--chars 2000]
 """
 
 from __future__ import annotations

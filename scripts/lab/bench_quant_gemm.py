@@ -9,7 +9,7 @@ CUDA events around each replay, median over the replays. The calls cycle through
 weights (>= 256 MiB) that they come from HBM, not from the 50 MB L2, as one layer after another would. Each
 kernel's output is checked once per shape against its fp32 reference (max error / max |reference|).
 
-Usage: PYTHONPATH=server python scripts/bench_quant_gemm.py --out /tmp/quant_gemm.json [--rows 1,16,64,256,2048]
+Usage: PYTHONPATH=server python scripts/lab/bench_quant_gemm.py --out /tmp/quant_gemm.json [--rows 1,16,64,256,2048]
 """
 
 from __future__ import annotations

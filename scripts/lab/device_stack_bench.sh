@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The whole serving stack on a GPU box, benchmarked against the in-process engine, in one command.
 #
-#   scripts/device_wheels.sh               # beforehand, on a machine with pip: .whl/ (carry it along)
-#   scripts/device_stack_bench.sh          # on the GPU box, from the repository root
-#   SMALL=1 scripts/device_stack_bench.sh  # a ~1B-shaped model and fewer prompts: a quick smoke test
+#   scripts/lab/device_wheels.sh               # beforehand, on a machine with pip: .whl/ (carry it along)
+#   scripts/lab/device_stack_bench.sh          # on the GPU box, from the repository root
+#   SMALL=1 scripts/lab/device_stack_bench.sh  # a ~1B-shaped model and fewer prompts: a quick smoke test
 #
 # Steps, each bounded in time, with timestamps:
 #  1. install .whl/ (if present): wheels into $SITE, the cut-down nvidia-pytriton beside them, numpy<2
@@ -17,7 +17,7 @@
 #  5. phase "gpu" (RUN_BENCH_GPU=1): scripts/bench_gpu.py (single-stream decode vs the bandwidth floor,
 #     offline throughput; BENCH_GPU_ARGS, default --skip-hf);
 #  6. $OUT/stack_bench.json (every result, the settings, versions, step times, and each served bench's
-#     intake hops: LLMSERVE_INTAKE_TRACE, scripts/intake_report.py), $OUT/logs.tar.gz (server
+#     intake hops: LLMSERVE_INTAKE_TRACE, scripts/lab/intake_report.py), $OUT/logs.tar.gz (server
 #     and bench logs) and, last on stdout, a table: backend, concurrency, prompts, output tok/s, ratio to
 #     the engine, TPOT p50, TTFT p50, its difference to the engine's, and (HTTP backends) TTFT p50 counted
 #     from when the client wrote the request.
@@ -40,7 +40,7 @@
 # $OUT/steps-stack.txt and of the in-process engine into $OUT/steps-engine.txt (one line a step, docs/engine.md). Without a GPU (MODEL_DIR=<demo model>, tiny RUNS) it runs
 # the same way on the CPU, which is how it is tested.
 set -uo pipefail
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
 export PYTHONUNBUFFERED=1
 T_START=$SECONDS
@@ -160,7 +160,7 @@ rep_tag() { ((REPEATS > 1)) && echo "$1"; }  # a bench's name ends in -rN only w
 # ---- 1. install ------------------------------------------------------------------------------
 export PYTHONPATH="$REPO/server${PYTHONPATH:+:$PYTHONPATH}"
 if [[ "${SKIP_INSTALL:-0}" != 1 && -d "$WHL" ]]; then
-  step install 30 bash scripts/device_install.sh "$SITE" "$STUB_SITE" "$WHL" "$PY" ||
+  step install 30 bash scripts/lab/device_install.sh "$SITE" "$STUB_SITE" "$WHL" "$PY" ||
     log "install failed: the steps below may fail too"
 fi
 [[ -d "$SITE" ]] && export PYTHONPATH="$PYTHONPATH:$SITE"
@@ -291,7 +291,7 @@ EOF
   fi
   if [[ "$b" != engine && -s "$WORK/intake.txt" ]]; then
     mkdir -p "$WORK/intake"
-    "$PY" scripts/intake_report.py "$WORK/intake.txt" --json "$WORK/intake/$name.json" | sed 's/^/    /'
+    "$PY" scripts/lab/intake_report.py "$WORK/intake.txt" --json "$WORK/intake/$name.json" | sed 's/^/    /'
   fi
   "$PY" "$WORK/summary.py" "$RES" "$OUT/stack_bench.json" "$WORK/preflight.json" "$STEPS"  # files so far
   return $rc
@@ -324,7 +324,7 @@ trap 'exit 130' INT TERM
 if has_phase stack && ((STACK_OK)); then
   STACK_UP=1  # from here on stop it at the end, started or not (a start cut short leaves it running)
   # Every process of the stack marks when it took in each request (serving/intake_trace.py); each
-  # bench's marks become its hops' delays (scripts/intake_report.py) in stack_bench.json's "intake".
+  # bench's marks become its hops' delays (scripts/lab/intake_report.py) in stack_bench.json's "intake".
   server_pin=()
   [[ -n "${SERVER_CPUS:-}" ]] && server_pin=(taskset -c "$SERVER_CPUS")
   [[ "${STEP_TRACE:-0}" == 1 ]] && export LLMSERVE_STEP_TRACE="$OUT/steps-stack.txt"

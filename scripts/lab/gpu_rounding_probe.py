@@ -4,7 +4,7 @@ Explains the 8B parity figure of docs/gpu.md: if HF bf16 is already far from HF 
 weights, no bf16 implementation with other rounding can be within 1e-2 of HF bf16. Prints, for a few
 weight inits, the worst and mean per-row relative L2 error of the logits of one 300-token prompt.
 
-    python scripts/gpu_rounding_probe.py        # on a GPU with >= 80 GB
+    python scripts/lab/gpu_rounding_probe.py        # on a GPU with >= 80 GB
 """
 
 import math

@@ -9,7 +9,7 @@ warps, stages), every launch checked against cuBLAS first. Then, per row count, 
 down) of each, and of the launches that are best over the whole layer. Each timing is CUDA-graph replays over enough
 weight copies to miss L2 (bench_quant_gemm.time_graph).
 
-    PYTHONPATH=server:scripts python scripts/sweep_skinny.py --out skinny_sweep.json [--rows 2,5,16] [--mp2]
+    PYTHONPATH=server:scripts python scripts/lab/sweep_skinny.py --out skinny_sweep.json [--rows 2,5,16] [--mp2]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Install what scripts/device_wheels.sh packed into .whl/ on the GPU box:
-#   scripts/device_install.sh SITE STUB_SITE WHL [PY]
+# Install what scripts/lab/device_wheels.sh packed into .whl/ on the GPU box:
+#   scripts/lab/device_install.sh SITE STUB_SITE WHL [PY]
 # the wheels into SITE (pip --target, offline), the cut-down nvidia-pytriton into SITE beside them, and
 # numpy<2 for the Triton stub into STUB_SITE (LLMSERVE_TRITON_STUB_PYTHONPATH). Used by
 # device_stack_bench.sh and device_gpu_tests.sh.

@@ -10,7 +10,7 @@ depth: at 8 layers, a plain bf16 forward with an fp32 residual is 1.02e-2 off (w
 7.6e-3, where the H200 measured 1.12e-2 and 8.2e-3 at 32 layers; so it is set by how many roundings
 each layer makes, and by where.
 
-    PYTHONPATH=server python scripts/rounding_sites_cpu.py [--layers 8] [--tokens 128]   # ~1 min, 12 GB
+    PYTHONPATH=server python scripts/lab/rounding_sites_cpu.py [--layers 8] [--tokens 128]   # ~1 min, 12 GB
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Issue 15/17 on one GPU: kernels/gemv.py's GPU tests, then the 8B batch-1 decode with the GEMV on and off
-# (bench_quant.py speed, one process each, kernels profiled; or another setting: SPEED_VAR), then (PART=sweep) scripts/sweep_gemv.py.
+# (bench_quant.py speed, one process each, kernels profiled; or another setting: SPEED_VAR), then (PART=sweep) scripts/lab/sweep_gemv.py.
 #   PART=tests,speed (default) | sweep   FORMATS=",weight_only_int8,fp8"   SWEEP_ARGS="--formats bf16"
 #   SPEED_VAR=LLMSERVE_GEMV_FUSE SPEED_VALUES="1 0": the speed runs' setting and its values (default LLMSERVE_GEMV, 1 0)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/gemv-out}"
 mkdir -p "$OUT"
 pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING | tail -2
@@ -35,6 +35,6 @@ PY
 fi
 if [[ $PARTS == *sweep* ]]; then
   # shellcheck disable=SC2086
-  timeout "${SWEEP_TIMEOUT:-500}" python scripts/sweep_gemv.py --out "$OUT/sweep.json" ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
+  timeout "${SWEEP_TIMEOUT:-500}" python scripts/lab/sweep_gemv.py --out "$OUT/sweep.json" ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
   echo "sweep rc $?"; grep -v "^check" "$OUT/sweep.log" | tail -16 | cut -c1-700
 fi

@@ -4,10 +4,10 @@
 #   default 1,16,64,256; batch 1 adds a profile of a plain and a verification step);
 #   TRAINED=1: trains the reference target (+MTP) and draft on the stdlib (scripts/train_models.sh,
 #   TARGET_SECONDS / DRAFT_SECONDS), then acceptance per method and k and decode tokens/s.
-# Carry .whl (scripts/device_wheels.sh: pyzmq, pytest, ...) and, for TRAINED=1, .corpus (this machine's
+# Carry .whl (scripts/lab/device_wheels.sh: pyzmq, pytest, ...) and, for TRAINED=1, .corpus (this machine's
 # stdlib sources: the GPU box's Python has fewer files); results land in $OUT.
 set -euo pipefail
-cd "$(dirname "${BASH_SOURCE[0]}")/.."
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 OUT="${OUT:-/tmp/out}"
 mkdir -p "$OUT"
 pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARN || true

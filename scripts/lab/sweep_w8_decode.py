@@ -9,7 +9,7 @@ reference. Prints the plan's time, the best five, and each one's fraction of the
 Rows above SMALL_M (64) sweep the large-M plan's tiles instead (BLOCK_M x BLOCK_N x BLOCK_K, warps, stages;
 one pass over K), beside bf16 cuBLAS at the same M.
 
-Usage: PYTHONPATH=server python scripts/sweep_w8_decode.py --out sweep.json [--rows 1,4,16]
+Usage: PYTHONPATH=server python scripts/lab/sweep_w8_decode.py --out sweep.json [--rows 1,4,16]
 """
 
 from __future__ import annotations

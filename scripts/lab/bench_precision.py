@@ -10,7 +10,7 @@ bf16 variant in the same run:
   - the projections written in fp32 instead of bf16 (qkv, o, gate_up, down) and SwiGLU reading fp32,
     at 256, 1024 and 2048 tokens.
 
-Usage: PYTHONPATH=server python scripts/bench_precision.py --out precision.json
+Usage: PYTHONPATH=server python scripts/lab/bench_precision.py --out precision.json
 """
 
 from __future__ import annotations

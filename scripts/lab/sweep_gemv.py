@@ -11,8 +11,8 @@ one row of x:
     also with the compiler's conversion at two launches; every launch checked against the reference first.
 Each timing is CUDA-graph replays over enough weight copies to miss L2 (bench_quant_gemm.time_graph).
 
-    PYTHONPATH=server python scripts/sweep_gemv.py --out gemv_sweep.json [--formats int8,fp8,fp8b,bf16]
-    TRITON_INTERPRET=1 PYTHONPATH=server python scripts/sweep_gemv.py --check-only   # on a CPU
+    PYTHONPATH=server python scripts/lab/sweep_gemv.py --out gemv_sweep.json [--formats int8,fp8,fp8b,bf16]
+    TRITON_INTERPRET=1 PYTHONPATH=server python scripts/lab/sweep_gemv.py --check-only   # on a CPU
 """
 
 from __future__ import annotations

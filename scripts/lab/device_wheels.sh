@@ -2,7 +2,7 @@
 # Prepare .whl/: what an offline GPU box needs to run the whole stack (start_server.sh: supervisor,
 # tritonserver with our Python-backend model, the engine with the torch runner, the FastAPI front end)
 # and `llmserve bench` (native, openai-completions, triton-grpc, engine), and pytest for
-# scripts/device_gpu_tests.sh, beyond what its image has.
+# scripts/lab/device_gpu_tests.sh, beyond what its image has.
 #
 # The box (docs/gpu.md, /work/.library/device/KINDS.md): Python 3.12 with torch, numpy 2, transformers,
 # tokenizers, safetensors, jinja2, grpcio, protobuf, msgpack, prometheus-client, aiohttp, ... and no
@@ -13,14 +13,14 @@
 #                               instead of 55): unpack into /tmp/site beside the wheels
 #   .whl/stub-numpy.tar.xz      numpy<2 for the Triton stub alone (Triton 2.51's stub misreads numpy 2
 #                               arrays): unpack into a directory named by LLMSERVE_TRITON_STUB_PYTHONPATH
-# scripts/device_stack_bench.sh installs all three. Versions are those of this checkout's .venv (what
+# scripts/lab/device_stack_bench.sh installs all three. Versions are those of this checkout's .venv (what
 # the tests ran with), else the pins below.
 #
-#   scripts/device_wheels.sh                 # into .whl/ (PY_VERSION=3.12)
-#   DEST=/tmp/w PY_VERSION=3.11 scripts/device_wheels.sh   # the same for another Python (to test here)
-#   CARRY_GRPCIO=0 scripts/device_wheels.sh  # trust the box's grpcio (tritonclient 2.73 needs >= 1.81.1)
+#   scripts/lab/device_wheels.sh                 # into .whl/ (PY_VERSION=3.12)
+#   DEST=/tmp/w PY_VERSION=3.11 scripts/lab/device_wheels.sh   # the same for another Python (to test here)
+#   CARRY_GRPCIO=0 scripts/lab/device_wheels.sh  # trust the box's grpcio (tritonclient 2.73 needs >= 1.81.1)
 set -euo pipefail
-HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$HERE"
 DEST="${DEST:-$HERE/.whl}"
 PY_VERSION="${PY_VERSION:-3.12}"
@@ -37,7 +37,7 @@ PACKAGES=(
   fastapi starlette opentelemetry-api uvicorn httptools  # the HTTP front end (fastapi >= 0.16x imports opentelemetry)
   uvloop                    # its event loop (uvicorn[standard] brings it; without it asyncio's own, ~10% more CPU)
   tritonclient python-rapidjson protobuf        # front end, supervisor and bench -> Triton over gRPC
-  pytest pluggy iniconfig   # scripts/device_gpu_tests.sh
+  pytest pluggy iniconfig   # scripts/lab/device_gpu_tests.sh
 )
 [[ "$CARRY_GRPCIO" == 1 ]] && PACKAGES+=(grpcio)
 declare -A FALLBACK=(
@@ -128,7 +128,7 @@ for k in keep + [libs_dir / n for n in sorted(needed)]:
     t.parent.mkdir(parents=True, exist_ok=True)
     shutil.copy2(k, t)
 (dst / "pytriton" / "__init__.py").write_text(
-    '"""nvidia-pytriton cut down by scripts/device_wheels.sh: tritonserver, its libraries, the Python backend."""\n'
+    '"""nvidia-pytriton cut down by scripts/lab/device_wheels.sh: tritonserver, its libraries, the Python backend."""\n'
 )
 print(f"pytriton-min: {len(keep)} files + {len(needed)} libraries, "
       f"{sum(f.stat().st_size for f in dst.rglob('*') if f.is_file()) / 2**20:.0f} MiB unpacked")

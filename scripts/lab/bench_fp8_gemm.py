@@ -6,7 +6,7 @@ with per-channel and 128 x 128 block scales; times in us per call over CUDA-grap
 calls (no launch overhead), ratio = bf16 time / fp8 time. Last, which (device, output dtype) pairs take
 torch._scaled_mm for the per-channel GEMM.
 
-Usage: PYTHONPATH=server python scripts/bench_fp8_gemm.py
+Usage: PYTHONPATH=server python scripts/lab/bench_fp8_gemm.py
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ PyTorch's tinygemm int4 (`aten._weight_int4pack_mm`, group 128) and int8 (`aten.
 where this build has them on CUDA. Each checked against the dequantized weights, timed as the median of
 30 replays of a CUDA graph of 20 calls, and divided by the floor = weight bytes / copy bandwidth. One table, one JSON.
 
-Usage: PYTHONPATH=server python scripts/bench_wo_library.py --out wo.json
+Usage: PYTHONPATH=server python scripts/lab/bench_wo_library.py --out wo.json
 """
 
 # ruff: noqa: B023 - each loop's lambdas run within that iteration

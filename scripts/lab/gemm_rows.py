@@ -4,7 +4,7 @@ k drafts at batch 1), on the 8B shape's weights, as the torch runner calls them 
 fp32 output): one Llama-3-8B layer's four products x 32 + the LM head, timed over CUDA-graph
 replays. Prints the step's product time per M and its ratio to M = 1.
 
-Usage: python scripts/gemm_rows.py [--rows 1,2,...] [--out gemm_rows.json]
+Usage: python scripts/lab/gemm_rows.py [--rows 1,2,...] [--out gemm_rows.json]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 # Sourced by the device probe scripts (device_client_split.sh, device_ttft_where.sh): the stack's settings
 # on the GPU box after device_stack_bench.sh (its model in /dev/shm, its carried packages), Triton gRPC only.
-#   PROBE=name; source scripts/device_probe_env.sh   -> $REPO (cwd), $OUT, start_stack, bench_grpc
+#   PROBE=name; source scripts/lab/device_probe_env.sh   -> $REPO (cwd), $OUT, start_stack, bench_grpc
 set -uo pipefail
-REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$REPO"
 OUT="${OUT:-/tmp/llmserve-$PROBE}"
 mkdir -p "$OUT"

@@ -7,7 +7,7 @@ spread of its marks (last minus first, ms: how long that layer took to see the w
 each hop (a layer to the next one the request met; `http_sent` beside the path, from `http`) the delay
 p50 / p90 / max in ms.
 
-Usage: PYTHONPATH=server python scripts/intake_report.py TRACE [--gap 1.0] [--json OUT]
+Usage: PYTHONPATH=server python scripts/lab/intake_report.py TRACE [--gap 1.0] [--json OUT]
 """
 
 from __future__ import annotations

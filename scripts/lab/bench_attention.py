@@ -12,7 +12,7 @@ Every variant's output is compared with the default shape's (max abs difference)
 out: its split-KV choice included) for every decode tile in DECODE_VARIANTS, and reports the K/V
 bytes read per second against the copy bandwidth measured in the same run.
 
-Usage: PYTHONPATH=server python scripts/bench_attention.py --out attn.json [--decode]
+Usage: PYTHONPATH=server python scripts/lab/bench_attention.py --out attn.json [--decode]
 """
 
 from __future__ import annotations
@@ -21,11 +21,15 @@ import argparse
 import dataclasses
 import itertools
 import json
+import sys
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
-from bench_gpu import copy_bandwidth, gpu_ms
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # scripts/: bench_gpu's timing helpers
+from bench_gpu import copy_bandwidth, gpu_ms  # noqa: E402
 
 from llmserve.kernels import attention as A
 from llmserve.runners.torch.inputs import work_items

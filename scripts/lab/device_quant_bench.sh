@@ -2,9 +2,9 @@
 # Issue 15 (quantization) on the GPU box, in one call: the kernels' GPU tests, the GEMM benchmark,
 # the 8B speed table and (PART=fidelity) the fidelity table. Results under $OUT.
 #   PART=tests,gemm,speed (default) | any comma list of tests, gemm, speed, fidelity
-# Carries .whl (scripts/device_wheels.sh: pytest, pyzmq, ... for Python 3.12).
+# Carries .whl (scripts/lab/device_wheels.sh: pytest, pyzmq, ... for Python 3.12).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/quant-out}"
 mkdir -p "$OUT"
 pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | tail -2
@@ -20,9 +20,9 @@ if [[ $PARTS == *tests* ]]; then
   tail -25 "$OUT/gpu_tests.log"
 fi
 if [[ $PARTS == *gemm* ]]; then
-  timeout 300 python scripts/bench_quant_gemm.py --out "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1
+  timeout 300 python scripts/lab/bench_quant_gemm.py --out "$OUT/gemm.json" > "$OUT/gemm.log" 2>&1
   echo "gemm rc $?"; tail -40 "$OUT/gemm.log"
-  timeout 120 python scripts/bench_fp8_gemm.py > "$OUT/fp8_gemm.log" 2>&1
+  timeout 120 python scripts/lab/bench_fp8_gemm.py > "$OUT/fp8_gemm.log" 2>&1
   echo "fp8 rc $?"; tail -20 "$OUT/fp8_gemm.log"
 fi
 if [[ $PARTS == *speed* ]]; then

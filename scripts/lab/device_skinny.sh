@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
-# Issue 14 on one GPU: kernels/skinny.py's GPU tests (PART=tests), scripts/sweep_skinny.py (PART=sweep: the kernel
+# Issue 14 on one GPU: kernels/skinny.py's GPU tests (PART=tests), scripts/lab/sweep_skinny.py (PART=sweep: the kernel
 # against cuBLAS and the one-row GEMV on the 8B projections), and the batch-1 oracle (PART=spec: bench_spec.py
 # --oracle --batches 1, the verification step against a plain one) with LLMSERVE_SKINNY at each of SPEC_SKINNY, one
 # process each (default "1 0 1 0": alternated, as two processes of the same code differ by ~2%).
-#   OUT=$OUT PART=tests,sweep,spec SWEEP_ARGS="--rows 2,5,16" SPEC_SKINNY="1 0 1 0" SPEC_BATCHES=1,16 scripts/device_skinny.sh
+#   OUT=$OUT PART=tests,sweep,spec SWEEP_ARGS="--rows 2,5,16" SPEC_SKINNY="1 0 1 0" SPEC_BATCHES=1,16 scripts/lab/device_skinny.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/skinny-out}"
 mkdir -p "$OUT"
 pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl 2>&1 | grep -v WARNING | tail -2
@@ -20,7 +20,7 @@ if [[ $PARTS == *tests* ]]; then
 fi
 if [[ $PARTS == *sweep* ]]; then
   # shellcheck disable=SC2086
-  timeout "${SWEEP_TIMEOUT:-300}" python scripts/sweep_skinny.py --out "$OUT/sweep.json" ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
+  timeout "${SWEEP_TIMEOUT:-300}" python scripts/lab/sweep_skinny.py --out "$OUT/sweep.json" ${SWEEP_ARGS:-} > "$OUT/sweep.log" 2>&1
   echo "sweep rc $?"; grep -E "layer|skinny best" "$OUT/sweep.log" | cut -c1-400 | tail -30
 fi
 if [[ $PARTS == *spec* ]]; then
