@@ -16,7 +16,7 @@ Precision: q arrives in fp32 (the model keeps it unrounded) and is rounded
 to the cache's dtype for the tensor-core products, as are the softmax weights
 p. The runner keeps a bf16 model's cache in fp16 (11 significant bits against
 bf16's 8, the same bytes), so q, k, v and p each lose less than a bf16 value
-would, at no cost in the loop (`scripts/bench_precision.py`, docs/gpu.md).
+would, at no cost in the loop (`scripts/lab/bench_precision.py`, docs/gpu.md).
 fp16's range suffices: kernels/rotary.py saturates q, k and v at +-65504 when
 it writes them (values never seen in practice, but never inf), and p is in
 [0, 1]. The output has the model's dtype, for the output projection.
@@ -97,7 +97,7 @@ class Tile:
 
 DECODE_TILE = Tile(rows=16, block_n=64, num_warps=4, num_stages=2)
 # Prefill: 128 keys a step, 3 stages where shared memory takes them (sm90's 227 KB). On an H200
-# (scripts/bench_attention.py) this is the fastest shape or within 2% of it on every case, and 7-18%
+# (scripts/lab/bench_attention.py) this is the fastest shape or within 2% of it on every case, and 7-18%
 # faster than 64 keys and 2 stages, the shape for GPUs with less shared memory.
 PREFILL_TILE = Tile(rows=128, block_n=128, num_warps=8, num_stages=3)
 SMALL_SMEM_PREFILL_TILE = Tile(rows=128, block_n=64, num_warps=8, num_stages=2)

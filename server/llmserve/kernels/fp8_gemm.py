@@ -32,7 +32,7 @@ kinds. Nothing here syncs with the host or allocates by data: the calls are CUDA
 warmed up (the probe of torch._scaled_mm runs on a first call outside a capture; a first call during
 one takes the Triton GEMM without deciding).
 
-Micro-benchmark (a GPU; bf16 mm vs fp8_linear): PYTHONPATH=server python scripts/bench_fp8_gemm.py
+Micro-benchmark (a GPU; bf16 mm vs fp8_linear): PYTHONPATH=server python scripts/lab/bench_fp8_gemm.py
 """
 
 from __future__ import annotations

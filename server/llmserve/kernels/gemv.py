@@ -199,7 +199,7 @@ def gemv_ref(
 
 def gemv_launch(N: int, itemsize: int = 1) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, PREFETCH) for N output rows of `itemsize`-byte weights, from sweeps on
-    an H100 (scripts/sweep_gemv.py; the 8B shape's projections, whole and at MP_NUM=2, and its LM head).
+    an H100 (scripts/lab/sweep_gemv.py; the 8B shape's projections, whole and at MP_NUM=2, and its LM head).
     8-bit: 8 x 1024 tiles were the fastest or within 3% up to 4096 rows, 16 x 512 (8 warps) on 6144 and
     16 x 256 on 14336-28672 (7-10% faster than 8 x 1024). 16-bit: 4 x 2048 on every shape."""
     if itemsize > 1:

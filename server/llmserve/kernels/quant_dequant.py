@@ -2,7 +2,7 @@
 
 At thousands of rows a step is bound by tensor-core throughput, not by reading the weight: one pass that
 writes the weight in bf16 (a few percent of the GEMM's time at M = 2048) buys cuBLAS's GEMM, which beats a
-kernel that must dequantize every tile inside its main loop (scripts/bench_quant_gemm.py). Decode-sized M
+kernel that must dequantize every tile inside its main loop (scripts/lab/bench_quant_gemm.py). Decode-sized M
 stays with quant_gemm.py's kernels, which read only the quantized bytes.
 
 Each weight is rounded once to x's dtype, as a dense bf16 weight would be, by a Triton kernel:

@@ -320,7 +320,7 @@ def _split(M: int, N: int, K: int, cfg: dict, sms: int, per_sm: dict[int, int]) 
 
 
 # w8, up to 16 rows (batch-1 decode): 128 weight rows x 128 K a tile, 4 warps, 3 stages, K split so that about
-# 4 tiles per SM stream at once. Swept on an H100 over the 8B shapes (scripts/sweep_w8_decode.py): 1.1-1.5x
+# 4 tiles per SM stream at once. Swept on an H100 over the 8B shapes (scripts/lab/sweep_w8_decode.py): 1.1-1.5x
 # faster than 64 x 256 tiles with 2 per SM, about 1.24x the weights' memory floor over a layer.
 _W8_DECODE = dict(BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=3)
 

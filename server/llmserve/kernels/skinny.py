@@ -128,7 +128,7 @@ if triton is not None:
 
 def skinny_launch(N: int, K: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for N weight rows of K, from sweeps on an H100 and an H200 (5 rows,
-    the 8B shape's projections and LM head; scripts/sweep_skinny.py): 64 x 128 tiles, 5 deep, the fastest or within
+    the 8B shape's projections and LM head; scripts/lab/sweep_skinny.py): 64 x 128 tiles, 5 deep, the fastest or within
     1% on each but down (K = 14336), where 32 x 256 tiles were 3% faster. Bulk (TMA) copies of the weight tiles
     gained at most 1% in the same sweep (not kept)."""
     return (32, 256, 4, 5) if K > 8192 else (64, 128, 4, 5)

@@ -84,7 +84,7 @@ def write_random_checkpoint(
     def rnd(*shape_, std: float | None = None):
         # Fan-in init keeps every layer's output at unit scale. With std 0.02 everywhere, a
         # 32-layer random net amplifies rounding so much that HF's own bf16 forward is ~1e-1 off
-        # its fp32 one; with fan-in it is ~2e-2 (scripts/gpu_rounding_probe.py, H200).
+        # its fp32 one; with fan-in it is ~2e-2 (scripts/lab/gpu_rounding_probe.py, H200).
         std = std if std is not None else shape_[-1] ** -0.5
         return (torch.randn(*shape_, generator=g, device=device, dtype=torch.float32) * std).to(dtype).cpu()
 

@@ -10,7 +10,7 @@ back: the queue's wait and the write; the write completes in gRPC before the wor
 writer, so this mark may follow the adapter's), `adapter` (the Triton model got it), `server` (the
 engine server admitted it and handed it to the core), then its first token at `server_first` (the
 engine server) and `http_first` (the front-end worker). Requests sent to Triton directly have only the
-adapter's and the server's marks. scripts/intake_report.py turns a file into each hop's delays. Off
+adapter's and the server's marks. scripts/lab/intake_report.py turns a file into each hop's delays. Off
 unless set; one write per event when on: for diagnosis.
 """
 
