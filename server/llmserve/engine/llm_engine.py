@@ -23,6 +23,7 @@ from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.scheduler import Scheduler, SchedulerOutput
 from llmserve.engine.spec_stage import SpecStage
 from llmserve.engine.speculative import build_proposer
+from llmserve.engine.stats import EngineStats, engine_stats
 from llmserve.engine.step_time import StepTimes
 from llmserve.engine.step_trace import StepTrace
 from llmserve.engine.structured import GrammarMatchers
@@ -52,41 +53,6 @@ class _Launch:
     trace: str = ""  # its step-trace line (STEP_TRACE), written once it is taken in
     t_sched: float = 0.0
     t_launched: float = 0.0
-
-
-@dataclass
-class EngineStats:
-    running: int
-    waiting: int
-    kv_blocks_used: int
-    kv_blocks_total: int
-    steps: int
-    prompt_tokens: int  # of all requests added
-    generation_tokens: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
-    preemptions: int
-    # Cumulative seconds: whole steps; scheduling and launching (runner.submit); waiting for a
-    # step's result (runner.result); the model run and sampling (device time, measured by the
-    # runner); output processing (stop checks, detokenizing).
-    step_time: float
-    schedule_time: float
-    execute_time: float
-    model_time: float
-    sample_time: float
-    output_time: float
-    # Speculative decoding: request-steps that verified drafts; drafts proposed / accepted, overall
-    # and per draft position (mean accepted length = 1 + accepted / verified).
-    spec_verified: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_drafted_at: list[int] | None = None
-    spec_accepted_at: list[int] | None = None
-
-    @property
-    def host_time(self) -> float:
-        """Time of the step outside the model run."""
-        return self.step_time - self.model_time
 
 
 class LLMEngine:
@@ -173,9 +139,13 @@ class LLMEngine:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
-        # Never let one request outgrow the whole cache: it could then never run.
-        params.max_tokens = min(params.max_tokens, limit - n)
-        params.min_tokens = min(params.min_tokens, params.max_tokens)
+        # A request that could outgrow the whole cache could never run: refused, never shortened (the caller's
+        # params are not ours to change).
+        if n + params.max_tokens > limit:
+            raise ValueError(
+                f"max_tokens: the prompt's {n} tokens plus max_tokens {params.max_tokens} exceed the {limit} tokens "
+                f"this engine serves per request; ask for at most {limit - n}"
+            )
         stop_ids = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids |= self.runner.eos_token_ids
@@ -402,30 +372,7 @@ class LLMEngine:
 
     # ---- introspection -----------------------------------------------------
     def stats(self) -> EngineStats:
-        bm = self.block_manager
-        return EngineStats(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            kv_blocks_used=bm.num_used,
-            kv_blocks_total=bm.num_blocks,
-            steps=self._steps,
-            prompt_tokens=self._prompt_tokens,
-            generation_tokens=self._gen_tokens,
-            prefix_cache_queries=bm.prefix_queries,
-            prefix_cache_hits=bm.prefix_hits,
-            preemptions=self._preemptions,
-            step_time=self._step_time,
-            schedule_time=self._schedule_time,
-            execute_time=self._execute_time,
-            model_time=self._model_time,
-            sample_time=self._sample_time,
-            output_time=self._output_time,
-            spec_verified=self.spec.stats.verified,
-            spec_draft_tokens=self.spec.stats.drafted,
-            spec_accepted_tokens=self.spec.stats.accepted,
-            spec_drafted_at=list(self.spec.stats.drafted_at),
-            spec_accepted_at=list(self.spec.stats.accepted_at),
-        )
+        return engine_stats(self)
 
     def shutdown(self) -> None:
         if self._trace is not None:
