@@ -29,8 +29,8 @@ llm = LLM(config=Config(model_dir=sys.argv[1], block_size=4, max_seq_len=64, bat
 out = llm.generate([[5, 6, 7], "hello"], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
 llm.shutdown()
 loaded = sorted(m for m, mod in sys.modules.items() if mod is not None and m.split(".")[0] in ("paddle", "paddlenlp"))
-ours = sorted(m for m in sys.modules if m.startswith(("llmserve.runners.paddle", "llmserve.models.export",
-                                                       "llmserve.models.llama_paddle")))
+ours = sorted(m for m in sys.modules if m.startswith(("llmserve.runners.paddle", "llmserve.runners.paddle.export",
+                                                       "llmserve.runners.paddle.graph")))
 print(json.dumps({"runner": type(llm.engine.runner).__name__, "tokens": [len(r.token_ids) for r in out],
                   "paddle_modules": loaded, "paddle_side_of_llmserve": ours}))
 """

@@ -19,7 +19,7 @@ from llmserve.engine.llm_engine import DuplicateRequestError, LLMEngine
 from llmserve.engine.sampler import Sampler
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.layers.model_config import ModelConfig
-from llmserve.models.export import export_random
+from llmserve.runners.paddle.export import export_random
 from llmserve.runners.paddle.runner import PaddleRunner
 
 VOCAB = 320

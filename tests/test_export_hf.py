@@ -20,7 +20,7 @@ from llmserve.engine.request import Request
 from llmserve.engine.runner_contract import SeqChunk
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.layers.model_config import ModelConfig
-from llmserve.models.export import SafetensorsReader, export_hf, hf_weight_files
+from llmserve.runners.paddle.export import SafetensorsReader, export_hf, hf_weight_files
 from llmserve.runners.paddle.runner import PaddleRunner
 
 torch = pytest.importorskip("torch")

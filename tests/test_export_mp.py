@@ -33,10 +33,10 @@ from llmserve.engine.request import Request
 from llmserve.engine.runner_contract import SeqChunk
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.layers.model_config import ModelConfig
-from llmserve.models.export import export_hf, export_random, export_weights
-from llmserve.models.export_mp import check_mp
-from llmserve.models.llama_paddle import INPUT_SPECS, cache_names, param_shapes
 from llmserve.runners.paddle import runner as runner_module
+from llmserve.runners.paddle.export import export_hf, export_random, export_weights
+from llmserve.runners.paddle.export_mp import check_mp
+from llmserve.runners.paddle.graph import INPUT_SPECS, cache_names, param_shapes
 from llmserve.runners.paddle.inputs import build_step_inputs
 from llmserve.runners.paddle.runner import PaddleRunner, check_ranks, rank_dirs
 

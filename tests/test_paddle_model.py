@@ -20,10 +20,10 @@ from llmserve.engine.request import Request
 from llmserve.engine.runner_contract import SeqChunk, StepBatch
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.layers.model_config import ModelConfig
-from llmserve.models.export import export_random, export_weights
 from llmserve.models.layout import ModelFormatError, detect_model_format
-from llmserve.models.llama_paddle import LlamaPaddle, param_shapes
 from llmserve.runners.paddle import runner as runner_module
+from llmserve.runners.paddle.export import export_random, export_weights
+from llmserve.runners.paddle.graph import LlamaPaddle, param_shapes
 from llmserve.runners.paddle.inputs import build_step_inputs
 from llmserve.runners.paddle.opcheck import MissingKernelsError, missing_kernels
 from llmserve.runners.paddle.runner import PaddleRunner

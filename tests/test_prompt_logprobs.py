@@ -239,7 +239,7 @@ PADDLE_VOCAB = 300
 def paddle_model(tmp_path_factory):
     pytest.importorskip("paddle")
     from llmserve.layers.model_config import ModelConfig
-    from llmserve.models.export import export_weights
+    from llmserve.runners.paddle.export import export_weights
     from tests.test_paddle_model import test_weights as random_weights
 
     cfg = ModelConfig(
@@ -261,7 +261,7 @@ def paddle_engine(model_dir: str) -> LLMEngine:
 
 
 def test_paddle_prompt_logprobs_match_dygraph(paddle_model):
-    from llmserve.models.llama_paddle import LlamaPaddle
+    from llmserve.runners.paddle.graph import LlamaPaddle
 
     cfg, weights, model_dir = paddle_model
     dense = LlamaPaddle.from_numpy(cfg, weights)

@@ -412,7 +412,7 @@ def test_start_errors_name_the_setting(tiny_hf_dir, tmp_path):
 def test_the_paddle_runner_refuses_a_draft_model(tiny_hf_dir, draft_dir, tmp_path):
     pytest.importorskip("paddle")
     from llmserve.engine.sampler import Sampler
-    from llmserve.models.export import export_hf
+    from llmserve.runners.paddle.export import export_hf
     from llmserve.runners.paddle.runner import PaddleRunner
 
     cfg = Config.from_env(env={}, block_size=4, max_seq_len=256, batch_size=8, block_bs=2)

@@ -340,7 +340,7 @@ def test_mtp_weights_from_speculate_model_path(tiny_hf_dir, tmp_path):
 def test_the_paddle_runner_refuses_mtp(tiny_hf_dir, tmp_path):
     pytest.importorskip("paddle")
     from llmserve.engine.sampler import Sampler
-    from llmserve.models.export import export_hf
+    from llmserve.runners.paddle.export import export_hf
     from llmserve.runners.paddle.runner import PaddleRunner
 
     cfg = Config.from_env(env={}, block_size=4, max_seq_len=256, batch_size=8, block_bs=2)

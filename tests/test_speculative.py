@@ -29,7 +29,7 @@ RUNNERS = ["torch", "paddle"]
 def models(tiny_hf_dir, tmp_path_factory):
     out = {"torch": str(tiny_hf_dir)}
     try:
-        from llmserve.models.export import export_hf  # imports paddle
+        from llmserve.runners.paddle.export import export_hf  # imports paddle
     except ImportError:  # the GPU box: torch only
         return out
     out["paddle"] = str(export_hf(tiny_hf_dir, tmp_path_factory.mktemp("paddle")))

@@ -124,7 +124,7 @@ def test_torch_runner_and_transformers_same_greedy_tokens(trained):
 
 
 def test_exported_graph_matches_torch_runner(trained, tmp_path):
-    from llmserve.models.export import export_hf
+    from llmserve.runners.paddle.export import export_hf
     from llmserve.runners.paddle.runner import PaddleRunner
 
     out, _, _ = trained

@@ -21,15 +21,15 @@ def _export(args: argparse.Namespace) -> int:
         print("llmserve export: --mp is for --hf only", file=sys.stderr)
         return 2
     if args.demo:
-        from llmserve.models.demo import export_demo
+        from llmserve.runners.paddle.demo import export_demo
 
         out = export_demo(args.out)
     elif args.random_demo:
-        from llmserve.models.demo import export_random_demo
+        from llmserve.runners.paddle.demo import export_random_demo
 
         out = export_random_demo(args.out, seed=args.seed or 0)
     else:
-        from llmserve.models.export import export_hf
+        from llmserve.runners.paddle.export import export_hf
 
         export_hf(args.hf, args.out, mp=args.mp)
         out = Path(args.out)

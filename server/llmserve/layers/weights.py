@@ -1,12 +1,14 @@
-"""Checkpoint tensors by name across the *.safetensors files of a directory (the torch layers' one reader)."""
+"""Checkpoint tensors by name, as torch tensors in their own dtype, on the device (the torch layers' view of
+utils/safetensors_files.py, the one reader)."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
+
+from llmserve.utils.safetensors_files import SafetensorsFiles
 
 Split = tuple[int, int, int]  # (dim, lo, hi): the rows (dim 0) or columns (dim 1) lo..hi of a tensor
 
@@ -15,19 +17,8 @@ class WeightReader:
     """Tensors by name across all *.safetensors files of a directory."""
 
     def __init__(self, model_dir: Path, device: torch.device, dtype: torch.dtype) -> None:
-        files = sorted(model_dir.glob("*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"no *.safetensors in {model_dir}")
-        self.where: dict[str, Path] = {}
-        index = model_dir / "model.safetensors.index.json"
-        if index.exists():
-            for name, f in json.loads(index.read_text())["weight_map"].items():
-                self.where[name] = model_dir / f
-        else:
-            for f in files:
-                with safe_open(f, framework="pt") as h:
-                    for name in h.keys():
-                        self.where[name] = f
+        files = SafetensorsFiles.of_dir(model_dir)  # the checkpoint's files and tensors, from their headers
+        self.where: dict[str, Path] = {name: info.path for name, info in files.tensors.items()}
         self.handles = {f: safe_open(f, framework="pt") for f in set(self.where.values())}
         self.device, self.dtype = device, dtype
 

@@ -28,7 +28,7 @@ def demo_model_dir(config: Config | None = None) -> Path:
 
 def ensure_demo_model(config: Config | None = None) -> Path:
     """Export the demo model into the cache directory unless it is there already."""
-    from llmserve.models.demo import export_demo
+    from llmserve.runners.paddle.demo import export_demo
 
     out = demo_model_dir(config)
     if not (out / "rank_0" / "model.pdiparams").exists():

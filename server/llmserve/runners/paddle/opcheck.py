@@ -89,5 +89,5 @@ def check_kernels(program: str | Path, device: str = "cpu") -> None:
             f"{program} uses {len(missing)} op(s) with no {device.upper()} kernel in this Paddle build "
             f"({paddle.__version__}, CUDA {'on' if core.is_compiled_with_cuda() else 'off'}): {', '.join(missing)}. "
             "Graphs exported by PaddleNLP for GPU (fused attention ops) need a paddlepaddle-gpu build; "
-            "here, serve the HF checkpoint instead, or re-export it with llmserve.models.export.export_hf."
+            "here, serve the HF checkpoint instead, or re-export it with llmserve.runners.paddle.export.export_hf."
         )

@@ -33,7 +33,7 @@ from llmserve.engine.runner_contract import (
 )
 from llmserve.layers.model_config import ModelConfig
 from llmserve.models.layout import ModelFormatError, detect_model_format, paddle_program_path
-from llmserve.models.llama_paddle import INPUT_SPECS, cache_names
+from llmserve.runners.paddle.graph import INPUT_SPECS, cache_names
 from llmserve.runners.paddle.inputs import build_step_inputs
 from llmserve.runners.paddle.opcheck import check_kernels
 
@@ -92,7 +92,7 @@ def check_config(model_dir: Path, config: Config) -> None:
     if detect_model_format(model_dir) != "paddle":
         raise ModelFormatError(
             f"{model_dir} is a Hugging Face checkpoint; the paddle runner needs a static-graph export "
-            "(rank_0/model.json + model.pdiparams): export it with llmserve.models.export.export_hf "
+            "(rank_0/model.json + model.pdiparams): export it with llmserve.runners.paddle.export.export_hf "
             "or use the torch runner"
         )
     check_ranks(model_dir, config)
@@ -220,7 +220,7 @@ class PaddleRunner(ModelRunner):
         if sorted(expected) != sorted(found):
             raise ModelFormatError(
                 f"{self.model_dir}: the graph's inputs do not follow our contract (docs/model_format.md); "
-                f"expected {expected}, found {found}. Re-export the model with llmserve.models.export."
+                f"expected {expected}, found {found}. Re-export the model with llmserve.runners.paddle.export."
             )
 
     def _num_kv_blocks(self, config: Config, mc: ModelConfig, bytes_per_block: int) -> int:

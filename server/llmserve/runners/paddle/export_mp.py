@@ -23,7 +23,7 @@ import numpy as np
 import paddle
 
 from llmserve.layers.model_config import ModelConfig
-from llmserve.models.llama_paddle import LlamaPaddle
+from llmserve.runners.paddle.graph import LlamaPaddle
 
 RING_ID = 0  # the model-parallel group: every rank (rank_mapping.csv)
 

@@ -4,7 +4,7 @@ Output directory (docs/model_format.md):
     config.json                 ModelConfig.to_hf_dict() (dtype float32: the graph computes in float32)
     generation_config.json      copied from the checkpoint, or bos/eos for random weights
     tokenizer files             copied from the checkpoint (export_random keeps what is there)
-    rank_0/model.json           the paged PIR program (`llama_paddle.build_paged_program`)
+    rank_0/model.json           the paged PIR program (`graph.build_paged_program`)
     rank_0/model.pdiparams      its weights, float32, Paddle [in, out] layout, q/k/v and gate/up fused
 With mp > 1 (export_mp.py): rank_0 ... rank_{mp-1}, each with a tp.json, and rank_mapping.csv.
 Safetensors are read with numpy alone (no torch), bf16/fp16 widened to float32.
@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import mmap
 import re
 import shutil
-import struct
 from collections.abc import Callable
 from pathlib import Path
 
@@ -25,57 +23,23 @@ import numpy as np
 import paddle
 
 from llmserve.layers.model_config import ModelConfig
-from llmserve.models.export_mp import check_mp, rank_shards, write_rank_files, write_rank_mapping
 from llmserve.models.layout import detect_model_format  # noqa: F401 - re-exported for callers
-from llmserve.models.llama_paddle import LlamaPaddle, build_paged_program, param_shapes, random_weights
+from llmserve.runners.paddle.export_mp import check_mp, rank_shards, write_rank_files, write_rank_mapping
+from llmserve.runners.paddle.graph import LlamaPaddle, build_paged_program, param_shapes, random_weights
+from llmserve.utils.safetensors_files import SafetensorsFiles, checkpoint_files
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".msgpack", ".h5", ".gguf", ".ckpt")
-_ST_DTYPES = {"F32": np.float32, "F16": np.float16, "F64": np.float64, "BF16": np.uint16}
-
-
-class SafetensorsReader:
-    """Tensors of one or more .safetensors files by name, as float32 (memory-mapped until read)."""
-
-    def __init__(self, files: list[Path]):
-        self._index: dict[str, tuple[mmap.mmap, dict, int]] = {}
-        for path in files:
-            with open(path, "rb") as f:
-                buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            (header_len,) = struct.unpack("<Q", buf[:8])
-            header = json.loads(buf[8 : 8 + header_len])
-            header.pop("__metadata__", None)
-            for name, meta in header.items():
-                self._index[name] = (buf, meta, 8 + header_len)
-
-    def names(self) -> list[str]:
-        return list(self._index)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._index
-
-    def get(self, name: str) -> np.ndarray:
-        buf, meta, base = self._index[name]
-        dtype = _ST_DTYPES.get(meta["dtype"])
-        if dtype is None:
-            raise ValueError(f"tensor {name}: dtype {meta['dtype']} is not a float type we can load")
-        begin, end = meta["data_offsets"]
-        raw = np.frombuffer(buf, dtype=dtype, count=(end - begin) // np.dtype(dtype).itemsize, offset=base + begin)
-        if meta["dtype"] == "BF16":  # bfloat16 is the top half of a float32
-            arr = (raw.astype(np.uint32) << 16).view(np.float32)
-        else:
-            arr = raw.astype(np.float32)
-        return arr.reshape(meta["shape"])
 
 
 def hf_weight_files(hf_dir: Path) -> list[Path]:
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [hf_dir / s for s in shards]
-    files = sorted(hf_dir.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"{hf_dir}: no *.safetensors files (only safetensors checkpoints are supported)")
-    return files
+    return checkpoint_files(hf_dir)
+
+
+class SafetensorsReader(SafetensorsFiles):
+    """Tensors of one or more .safetensors files by name, as float32 (utils/safetensors_files.py)."""
+
+    def get(self, name: str) -> np.ndarray:
+        return self.as_float32(name)
 
 
 def _check_supported(raw: dict) -> None:
