@@ -11,7 +11,9 @@ its errors come back naming the OpenAI field (`NATIVE_TO_OPENAI`).
 
 Models are strict (no "5" for 5, no 1 for true): a wrong type is a 400 naming
 the field. An unknown field is a 400 naming it, as OpenAI answers; fields of
-features not built yet (`tools`, ...) are refused by name. Beyond OpenAI (vLLM's extensions):
+features not built yet are refused by name; `store`, `metadata`, `service_tier`,
+`user` and `reasoning_effort` are accepted with no effect, and `prediction` goes on
+to the engine as the request's speculative proposals. Beyond OpenAI (vLLM's extensions):
 `top_k`, `repetition_penalty`, `min_tokens`, `ignore_eos`, and structured output's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` beside OpenAI's `response_format`.
 """
@@ -25,6 +27,7 @@ from pydantic import ConfigDict, Field, ValidationError, field_validator, model_
 
 from llmserve.protocol import structured
 from llmserve.protocol.native import INT64_MAX, INT64_MIN
+from llmserve.protocol.openai_options import REASONING_EFFORTS, Prediction, StreamOptions
 from llmserve.protocol.openai_tools import AssistantToolCall, NamedToolChoice, StrictModel, Tool, call_arguments
 
 MAX_N = 16  # choices per request (n x prompts), so one body cannot flood the queue
@@ -50,32 +53,6 @@ class OpenAIValidationError(ValueError):
         super().__init__(message)
         self.message = message
         self.param = param
-
-
-class StreamOptions(StrictModel):
-    include_usage: bool = False
-    # vLLM's (guidellm sends it): with include_usage, every chunk carries the usage so far.
-    continuous_usage_stats: bool = False
-
-
-class PredictionPart(StrictModel):
-    type: Literal["text"]
-    text: str
-
-
-class Prediction(StrictModel):
-    """OpenAI's predicted output: text the answer will mostly repeat (an edit), tried as speculative
-    proposals (SamplingParams.prediction)."""
-
-    type: Literal["content"]
-    content: str | list[PredictionPart]
-
-    def text(self) -> str:
-        c = self.content
-        return c if isinstance(c, str) else "".join(p.text for p in c)
-
-
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def _refuse(name: str, why: str = "is not supported by this server yet") -> OpenAIValidationError:
