@@ -221,13 +221,20 @@ def test_front_end_500s_are_counted_in_the_failure_metric(tmp_path, monkeypatch)
         app = create_app(Config(log_dir=str(tmp_path)), backend_factory=lambda cfg, g=good: Broken(g))
         with TestClient(app, raise_server_exceptions=False) as c:
             assert c.post("/v1/chat/completions", json=body).status_code == status
-    assert failures.totals(str(tmp_path), 4242) == {"500": 3}
+    # A Triton that cannot be reached: the front end's own 503 (the engine never saw the request).
+    from llmserve.serving.testing import free_ports
+
+    cfg = Config(log_dir=str(tmp_path), service_grpc_port=free_ports(1)[0])
+    with TestClient(create_app(cfg), raise_server_exceptions=False) as c:
+        assert c.post("/v1/chat/completions", json=chat).status_code == 503
+    assert failures.totals(str(tmp_path), 4242) == {"500": 3, "503": 1}
     assert failures.totals(str(tmp_path), 4243) == {}  # another supervisor's stack counts its own
     metrics = EngineMetrics(str(tmp_path))
     monkeypatch.setattr("os.getpid", lambda: 4242)
     for _ in range(2):  # folded in once, however often scraped
         text = metrics.exposition().decode()
         assert 'llmserve_request_failure_total{error_code="500"} 3.0' in text, text
+        assert 'llmserve_request_failure_total{error_code="503"} 1.0' in text, text
 
 
 def test_continuous_usage_stats_in_every_chunk(stack, client):
