@@ -2,9 +2,10 @@
 process, the HTTP front end on loopback) driven with the real openai / requests / tritonclient clients.
 
 Logprobs under every kind of grammar are strict JSON on every protocol, streamed and not (masked tokens
-are left out of top lists); the front end's own 500s are counted; continuous usage; the tool-call stream
-shape the openai SDK's helper follows; /v1/models/{model}; OpenAI's no-effect fields and `prediction`;
-echo of token-id prompts, extra message fields and roles, vLLM's out-of-vocabulary words.
+are left out of top lists; the front end's own 5xx counted: test_http_failures.py); continuous usage;
+the tool-call stream shape the openai SDK's helper follows; /v1/models/{model}; OpenAI's no-effect
+fields and `prediction`; echo of token-id prompts, extra message fields and roles, vLLM's
+out-of-vocabulary words.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import json
 import math
 import queue
 import uuid
-from collections import Counter
 
 import pytest
 import requests
@@ -183,58 +183,6 @@ def test_logprobs_under_every_grammar_are_strict_json_on_every_protocol(stack, f
         # The grammars mask most of the vocabulary: some steps had fewer than K candidates, left out, not -inf.
         assert any(len(top) < K for top in lists), proto
     assert stack.metrics().get('llmserve_request_failure_total{error_code="500"}', 0.0) == failures_before
-
-
-def test_front_end_500s_are_counted_in_the_failure_metric(tmp_path, monkeypatch):
-    from fastapi.testclient import TestClient
-
-    from llmserve.config import Config
-    from llmserve.http import failures
-    from llmserve.http.app import create_app
-    from llmserve.serving.metrics import EngineMetrics
-
-    class Broken:
-        """A backend whose stream fails before its first item, or (after `good` items) in the middle."""
-
-        def __init__(self, good: int) -> None:
-            self.good = good
-
-        async def ready(self) -> bool:
-            return True
-
-        async def close(self) -> None:
-            pass
-
-        async def stream(self, body: dict, raw: bytes | None = None):
-            for k in range(self.good):
-                yield {"req_id": body["req_id"], "token": "x", "token_ids": [k], "is_end": 0, "error_code": 0}
-            raise RuntimeError("a bug")
-
-    monkeypatch.setenv(failures.SUPERVISOR_ENV, "4242")  # the files are named by the supervisor's pid
-    monkeypatch.setattr(failures, "_counts", Counter())
-    chat = {"model": "default", "messages": [{"role": "user", "content": "hi"}]}
-    for good, body, status in [
-        (0, chat, 500),
-        (0, {"text": "hi"}, 500),
-        (2, chat | {"stream": True}, 200),  # the 200 is sent; the bug cuts the stream
-    ]:
-        app = create_app(Config(log_dir=str(tmp_path)), backend_factory=lambda cfg, g=good: Broken(g))
-        with TestClient(app, raise_server_exceptions=False) as c:
-            assert c.post("/v1/chat/completions", json=body).status_code == status
-    # A Triton that cannot be reached: the front end's own 503 (the engine never saw the request).
-    from llmserve.serving.testing import free_ports
-
-    cfg = Config(log_dir=str(tmp_path), service_grpc_port=free_ports(1)[0])
-    with TestClient(create_app(cfg), raise_server_exceptions=False) as c:
-        assert c.post("/v1/chat/completions", json=chat).status_code == 503
-    assert failures.totals(str(tmp_path), 4242) == {"500": 3, "503": 1}
-    assert failures.totals(str(tmp_path), 4243) == {}  # another supervisor's stack counts its own
-    metrics = EngineMetrics(str(tmp_path))
-    monkeypatch.setattr("os.getpid", lambda: 4242)
-    for _ in range(2):  # folded in once, however often scraped
-        text = metrics.exposition().decode()
-        assert 'llmserve_request_failure_total{error_code="500"} 3.0' in text, text
-        assert 'llmserve_request_failure_total{error_code="503"} 1.0' in text, text
 
 
 def test_continuous_usage_stats_in_every_chunk(stack, client):
