@@ -200,12 +200,16 @@ def test_continuous_usage_stats_in_every_chunk(stack, client):
         assert {ch.usage.prompt_tokens for ch in chunks} == {
             final.usage.prompt_tokens
         } and final.usage.prompt_tokens > 0
-    # guidellm's request shape (a text-completions benchmark), as raw JSON
-    body = {"model": "default", "prompt": "benchmark " * 8, "max_tokens": 6, "stream": True, "stream_options": opts}
-    r = requests.post(stack.http_base + "/v1/completions", json=body | {"ignore_eos": True}, timeout=120)
-    assert r.status_code == 200, r.text
-    chunks = _sse(r.text)
-    assert chunks[-1]["usage"]["completion_tokens"] == 6 and all(ch["usage"] for ch in chunks)
+    # guidellm's request shapes (text and chat benchmarks: a fixed output length), as raw JSON
+    fixed = {"stream": True, "stream_options": opts, "stop": None, "ignore_eos": True}
+    for path, body in [
+        ("/v1/completions", {"prompt": "benchmark " * 8, "max_tokens": 6}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go"}], "max_completion_tokens": 6}),
+    ]:
+        r = requests.post(stack.http_base + path, json={"model": "default"} | body | fixed, timeout=120)
+        assert r.status_code == 200, (path, r.text)
+        chunks = _sse(r.text)
+        assert chunks[-1]["usage"]["completion_tokens"] == 6 and all(ch["usage"] for ch in chunks), path
 
 
 def test_streamed_tool_calls_follow_openai_and_the_sdk_helper(stack, client):
