@@ -41,6 +41,11 @@ class SamplingParams:
     # Structured output: an llguidance grammar (protocol/structured.py) every sampled token must follow;
     # the output ends when it is complete (engine/structured.py).
     grammar: str | None = None
+    # OpenAI's predicted output (`prediction`): text the output will mostly repeat, and its token ids
+    # (protocol/native.py tokenizes it where the prompt is tokenized); the engine may use them as
+    # speculative proposals. Empty: none.
+    prediction: str | None = None
+    prediction_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -92,6 +97,8 @@ class SamplingParams:
                 bad("logit_bias", f"biases must be in [-100, 100], got {bias!r} for token {tok}")
         if self.seed is not None and self.seed < 0:
             bad("seed", f"must be >= 0, got {self.seed}")  # numpy's generators refuse it (it killed the engine)
+        if any(not (isinstance(t, int) and t >= 0) for t in self.prediction_token_ids):
+            bad("prediction_token_ids", "token ids must be integers >= 0")
         if any(not s for s in self.stop):
             bad("stop", "empty stop string")
 

@@ -4,6 +4,7 @@ Routes
   POST /v1/chat/completions   native when the body holds a native-only field or no `model`, else OpenAI chat
   POST /v1/completions        OpenAI completions
   GET  /v1/models             OpenAI model list
+  GET  /v1/models/{model}     one model, for any name `model` may take
   GET  /health, /v2/health/live, /v2/health/ready   no auth
 The same OpenAI routes also live under /v1/chat/completions/ (the seeds'
 `base_url`, to which the openai client appends `completions`,
@@ -31,6 +32,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve.config import Config
 from llmserve.engine.heap import freeze_startup_objects
+from llmserve.http import failures
 from llmserve.http.errors import ApiError, Style, error_body, error_response
 from llmserve.http.native import handle_native
 from llmserve.http.openai import handle_chat, handle_completions
@@ -178,11 +180,13 @@ def create_app(
     """The app; uvicorn calls it with no arguments in each worker (factory=True)."""
     cfg = config or Config.from_env()
     make_backend = backend_factory or (lambda c: TritonBackend(f"{c.local_host}:{c.service_grpc_port}"))
-    model_id = served_model_names(cfg.model_dir, cfg.served_model_name)[0]
+    names = served_model_names(cfg.model_dir, cfg.served_model_name)
+    model_id = names[0]
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         die_with_parent()
+        failures.setup(cfg.log_dir)
         app.state.backend = make_backend(cfg)  # gRPC aio channels belong to this worker's loop
         if os.environ.get(PARENT_ENV):  # served (not an app a test built): a full collection would
             freeze_startup_objects()  # stall every stream of this worker
@@ -203,6 +207,7 @@ def create_app(
             return error_response(style, e.status, e.message, e.param)
         except Exception as e:  # a bug, not bad input: say so, keep serving
             log.exception("%s %s failed", request.method, request.url.path)
+            failures.count(500)
             return error_response(style, 500, f"internal error: {type(e).__name__}: {e}")
 
     def backend(request: Request) -> Backend:
@@ -229,6 +234,16 @@ def create_app(
             "object": "list",
             "data": [{"id": model_id, "object": "model", "created": created, "owned_by": "llmserve"}],
         }
+
+    @app.get("/v1/models/{model:path}", tags=["openai"])
+    @app.get(SHARED_PATH + "/models/{model:path}", include_in_schema=False)
+    async def model(model: str) -> Response:
+        # Every name a request's `model` may take answers (the served one as its id), as clients
+        # call models.retrieve with the name they send.
+        if model not in names:
+            msg = f"The model `{model}` does not exist; this server serves `{model_id}`."
+            return error_response("openai", 404, msg, "model")
+        return JSONResponse({"id": model, "object": "model", "created": int(time.time()), "owned_by": "llmserve"})
 
     openai_ok = {"application/json": "completion (stream: false)", "text/event-stream": "SSE chunks, then [DONE]"}
     completions_doc = _body_doc(_schema_ref("CompletionRequest"), openai_ok)

@@ -60,6 +60,7 @@ class Choice:
     reasoning: ReasoningParser | None = None
     tools: ToolCallParser | None = None
     num_calls: int = 0  # tool calls streamed so far
+    prompt_tokens: int = 0  # from the first item (continuous usage)
 
 
 class _Call:
@@ -148,9 +149,10 @@ class _Call:
         }
 
     def usage(self) -> dict:
-        # The prompt counts once per prompt, not once per choice (as OpenAI counts).
+        # The prompt counts once per prompt, not once per choice (as OpenAI counts); mid-stream
+        # (continuous_usage_stats) it is the first item's count.
         n = self.req.n
-        firsts = [c.usage or {} for k, c in enumerate(self.choices) if k % n == 0]
+        firsts = [c.usage or {"prompt_tokens": c.prompt_tokens} for k, c in enumerate(self.choices) if k % n == 0]
         prompt = sum(u.get("prompt_tokens", 0) for u in firsts)
         cached = sum(u.get("cached_tokens", 0) for u in firsts)
         completion = sum((c.usage or {}).get("completion_tokens", len(c.token_ids)) for c in self.choices)
@@ -172,6 +174,8 @@ class _Call:
             c.text = prefix
             if prefix:
                 prompt_entries = c.prompt_logprobs = item.get("prompt_logprobs") or []
+        if "prompt_tokens" in item:
+            c.prompt_tokens = item["prompt_tokens"]
         token = item.get("token") or ""
         c.text += token
         c.token_ids += item.get("token_ids") or []
@@ -207,7 +211,7 @@ class _Call:
         out: dict = {}
         if reasoning:
             out["reasoning_content"] = reasoning
-        if content or not (reasoning or calls):
+        if content:  # nothing while a call (or what may start one) is held back
             out["content"] = content
         if calls:
             out["tool_calls"] = tool_calls.stream_deltas(calls, c.num_calls)
@@ -223,15 +227,41 @@ class _Call:
     # ---- responses ------------------------------------------------------------------
     def chunk(self, index: int, delta: str, logprobs: dict | None, finish: str | None, first: bool) -> dict:
         if self.chat:
-            d = self.split(index, delta, finish is not None)
-            d = {"role": "assistant", **d} if first else d
-            finish = self.finish_reason(index) if finish is not None else None
-            choice = {"index": index, "delta": d, "logprobs": logprobs, "finish_reason": finish}
-            obj = "chat.completion.chunk"
-        else:
-            choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
-            obj = "text_completion"
+            return self._frame(index, {"role": "assistant", "content": delta} if first else {"content": delta})
+        choice = {"index": index, "text": delta, "logprobs": logprobs, "finish_reason": finish}
+        return self._frame(index, None, choice)
+
+    def _frame(self, index: int, delta: dict | None, choice: dict | None = None, **fields) -> dict:
+        if choice is None:
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None, **fields}
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.req.model, "choices": [choice]}
+
+    def chunks(self, index: int, delta: str, logprobs: dict | None, finish: str | None, first: bool) -> list[dict]:
+        """The chunks of an engine item (completions: one). Chat as OpenAI streams it: with tools or a
+        reasoning parser, a held-back call sends nothing until it is complete, then its id, type and name
+        in one delta and its arguments in the next, and `finish_reason` comes in a chunk of its own."""
+        if not self.chat:
+            return [self.chunk(index, delta, logprobs, finish, first)]
+        c = self.choices[index]
+        parsed = c.reasoning is not None or c.tools is not None
+        d = self.split(index, delta, finish is not None)
+        calls = d.pop("tool_calls", [])
+        deltas = [d] if d or not parsed else []
+        deltas += [{"tool_calls": [t]} for t in calls]
+        if first or (logprobs and not deltas):
+            deltas = deltas or [{}]
+            deltas[0] = {"role": "assistant", **deltas[0]} if first else deltas[0]
+        out = [self._frame(index, x) for x in deltas]
+        if logprobs:
+            out[0]["choices"][0]["logprobs"] = logprobs
+        if finish is not None:
+            reason = self.finish_reason(index)
+            if out and not parsed:  # plain content: the last piece ends the choice (as before)
+                out[-1]["choices"][0]["finish_reason"] = reason
+            else:
+                out.append(self._frame(index, {}, finish_reason=reason))
+        return out
 
     def final(self) -> dict:
         choices = []
@@ -351,10 +381,10 @@ async def _stream(
             first_of_choice = not call.choices[index].started
             delta, lp = call.absorb(index, item)
             finish = call.choices[index].finish_reason
-            chunk = call.chunk(index, delta, lp, finish, first_of_choice)
-            if call.req.include_usage():
-                chunk["usage"] = None
-            yield _sse(chunk)
+            for chunk in call.chunks(index, delta, lp, finish, first_of_choice):
+                if call.req.include_usage():  # vLLM's continuous_usage_stats: the usage so far in each
+                    chunk["usage"] = call.usage() if call.req.continuous_usage() else None
+                yield _sse(chunk)
             got = await anext(merged, None)
         else:
             if call.req.include_usage():

@@ -16,6 +16,8 @@ from collections.abc import AsyncIterator, Mapping
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from llmserve.http import failures
+
 
 class StreamResponse(Response):
     def __init__(self, chunks: AsyncIterator[bytes], media_type: str, headers: Mapping[str, str] | None = None):
@@ -48,5 +50,8 @@ class StreamResponse(Response):
                 raise
             if hasattr(task, "uncancel"):  # Python >= 3.11 counts cancel requests
                 task.uncancel()  # our own cancel: the client left, and nobody waits for more
+        except Exception:
+            failures.count(500)  # a bug mid-stream: the 200 is sent, the stream cut; count it as the 500 it is
+            raise
         finally:
             watcher.cancel()

@@ -38,6 +38,7 @@ from typing import Protocol
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
+from llmserve.http import failures
 from llmserve.protocol import ABORT_PARAM
 from llmserve.protocol.native import error_response
 from llmserve.serving import intake_trace
@@ -144,6 +145,8 @@ class _Mux:
             routes, self.routes = self.routes, {}
             self.abandoned.clear()
             for q in routes.values():
+                if failure[0] >= 500:  # made here: the engine never saw it fail (http/failures.py)
+                    failures.count(failure[0])
                 q.put_nowait(error_response(None, *failure))
 
     def _route(self, resp) -> None:
@@ -151,6 +154,7 @@ class _Mux:
         tid = res.id
         if resp.error_message:
             item = error_response(None, 500, f"Triton: {resp.error_message}")
+            failures.count(500)
         elif not res.raw_output_contents:  # an empty final response (a cancelled request's)
             return
         else:

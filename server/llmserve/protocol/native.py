@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 import uuid
-from typing import Any, Literal
+from typing import Any
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, ValidationError, field_validator
 
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.protocol import error_response as error_response  # re-exported: the native error item
@@ -54,7 +54,7 @@ class NativeError(Exception):
 
 class Message(BaseModel):
     model_config = ConfigDict(extra="allow")  # extra keys (name, tool_call_id, ...) reach the chat template
-    role: Literal["system", "user", "assistant", "tool"]
+    role: str = Field(min_length=1)  # any role the chat template takes (vLLM passes custom ones on)
     content: str
 
 
@@ -94,6 +94,8 @@ class NativeRequest(BaseModel):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prediction: str | None = Field(default=None, description="predicted output: its tokens are speculative proposals")
+    _prediction_ids: list[int] | None = PrivateAttr(default=None)  # parse_burst: tokenized beside the prompt
 
     @field_validator("stop_sequences", mode="before")
     @classmethod
@@ -177,6 +179,11 @@ def parse_burst(bodies: list, tokenizer) -> list[tuple[NativeRequest, list[int] 
             src = e
         if isinstance(src, tuple):
             texts[src[1]].append((i, src[0]))
+        if req.prediction and not isinstance(src, Exception):
+            try:  # no special tokens: the prediction continues the prompt
+                req._prediction_ids = tokenizer.encode(req.prediction, False)
+            except Exception as e:  # noqa: BLE001 - answered as the prompt's error would be
+                src = NativeError(BAD_REQUEST, f"prediction: cannot be tokenized: {e}", "prediction")
         out.append((req, src))
     for special, items in texts.items():
         if not items:
@@ -261,9 +268,19 @@ def admit(
             bad = next((t for t in toks if not 0 <= t < vocab_size), None)
             if bad is not None:
                 name = req.prompt_field if name == "input_ids" else name
+                # vLLM's words ("out of vocabulary"), which clients match
                 raise NativeError(
-                    BAD_REQUEST, f"{name}: token id {bad} is outside the vocabulary [0, {vocab_size})", name
+                    BAD_REQUEST,
+                    f"{name}: token id {bad} is out of vocabulary (the vocabulary is [0, {vocab_size}))",
+                    name,
                 )
+    prediction_ids = list(req._prediction_ids or [])
+    if len(prediction_ids) > max_seq_len:
+        raise NativeError(
+            BAD_REQUEST,
+            f"prediction: {len(prediction_ids)} tokens exceed the context (MAX_SEQ_LEN={max_seq_len})",
+            "prediction",
+        )
     try:
         grammar = structured.grammar_for({f: getattr(req, f) for f in structured.FIELDS})
     except ValueError as e:
@@ -291,6 +308,8 @@ def admit(
             prompt_logprobs=req.prompt_logprobs,
             logit_bias=bias,
             grammar=grammar,
+            prediction=req.prediction,
+            prediction_token_ids=prediction_ids,
         )
     except ValueError as e:
         raise NativeError(BAD_REQUEST, str(e), str(e).split(":", 1)[0]) from None

@@ -11,7 +11,9 @@ its errors come back naming the OpenAI field (`NATIVE_TO_OPENAI`).
 
 Models are strict (no "5" for 5, no 1 for true): a wrong type is a 400 naming
 the field. An unknown field is a 400 naming it, as OpenAI answers; fields of
-features not built yet (`tools`, ...) are refused by name. Beyond OpenAI (vLLM's extensions):
+features not built yet are refused by name; `store`, `metadata`, `service_tier`,
+`user` and `reasoning_effort` are accepted with no effect, and `prediction` goes on
+to the engine as the request's speculative proposals. Beyond OpenAI (vLLM's extensions):
 `top_k`, `repetition_penalty`, `min_tokens`, `ignore_eos`, and structured output's `guided_json`,
 `guided_regex`, `guided_choice`, `guided_grammar` beside OpenAI's `response_format`.
 """
@@ -21,10 +23,11 @@ from __future__ import annotations
 import uuid
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from llmserve.protocol import structured
 from llmserve.protocol.native import INT64_MAX, INT64_MIN
+from llmserve.protocol.openai_options import REASONING_EFFORTS, Prediction, StreamOptions
 from llmserve.protocol.openai_tools import AssistantToolCall, NamedToolChoice, StrictModel, Tool, call_arguments
 
 MAX_N = 16  # choices per request (n x prompts), so one body cannot flood the queue
@@ -52,10 +55,6 @@ class OpenAIValidationError(ValueError):
         self.param = param
 
 
-class StreamOptions(StrictModel):
-    include_usage: bool = False
-
-
 def _refuse(name: str, why: str = "is not supported by this server yet") -> OpenAIValidationError:
     return OpenAIValidationError(f"{name}: {why}", name)
 
@@ -76,6 +75,14 @@ class _Sampling(StrictModel):
     logit_bias: dict[str, float] | None = Field(default=None, description="token id -> bias in [-100, 100]")
     seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX, description="choice i uses seed + i")
     user: str | None = Field(default=None, description="accepted (OpenAI's abuse monitoring; none here)")
+    # Accepted as OpenAI does, with no effect here (docs/api.md): nothing is stored, tiered or billed.
+    store: bool | None = Field(default=None, description="accepted; no effect (nothing is stored)")
+    metadata: dict[str, str] | None = Field(default=None, description="accepted; no effect")
+    service_tier: str | None = Field(default=None, description="accepted; no effect (one tier)")
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = Field(  # type: ignore[valid-type]
+        default=None, description="accepted; unused (no reasoning budget is enforced)"
+    )
+    prediction: Prediction | None = Field(default=None, description="predicted output: speculative proposals")
     # Extensions (vLLM-style).
     top_k: int | None = Field(default=None, ge=0, description="extension: top-k sampling (0: off)")
     repetition_penalty: float | None = Field(default=None, gt=0.0, description="extension: native penalty_score")
@@ -118,6 +125,10 @@ class _Sampling(StrictModel):
     def _check_tools(self) -> None:
         names = [t.function.name for t in self.tools or []]
         choice = self.tool_choice
+        if self.parallel_tool_calls is not None and not self.tools and isinstance(self, ChatCompletionRequest):
+            raise OpenAIValidationError(
+                "parallel_tool_calls: only allowed when tools are specified", "parallel_tool_calls"
+            )
         if (self.tools or choice is not None or self.parallel_tool_calls is not None) and not isinstance(
             self, ChatCompletionRequest
         ):
@@ -158,6 +169,10 @@ class _Sampling(StrictModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    def continuous_usage(self) -> bool:
+        """Usage in every chunk (vLLM's stream_options.continuous_usage_stats, with include_usage)."""
+        return self.include_usage() and self.stream_options.continuous_usage_stats
+
     def native_fields(self, max_tokens: int | None, index: int) -> dict[str, Any]:
         """The native request fields for choice `index` (prompt fields aside)."""
         body: dict[str, Any] = {
@@ -188,6 +203,8 @@ class _Sampling(StrictModel):
                 body[name] = getattr(self, name)
         if self.calls_tools:
             body["tools"] = [t.model_dump(exclude_none=True) for t in self.tools]
+        if self.prediction is not None and self.prediction.text():
+            body["prediction"] = self.prediction.text()
         return body
 
 
@@ -250,17 +267,30 @@ class CompletionRequest(_Sampling):
         return out
 
 
+REFUSED_MESSAGE_FIELDS = frozenset({"audio", "function_call", "refusal"})
+
+
 class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(StrictModel):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # As vLLM: any role, and fields beyond OpenAI's, go on to the chat template (which may refuse them).
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str = Field(min_length=1)
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant's earlier calls
+
+    @model_validator(mode="after")
+    def _openai_extras(self) -> ChatMessage:
+        # OpenAI's own message fields this server has no feature for are refused by name, not passed on.
+        for name, value in (self.model_extra or {}).items():  # null (an SDK's echo of a reply) asks for nothing
+            if name in REFUSED_MESSAGE_FIELDS and value is not None:
+                raise _refuse(name, "is not supported by this server (text messages only)")
+        return self
 
     def flat(self) -> dict[str, Any]:
         """{role, content} as the chat template wants it (text parts joined; developer is system);
@@ -272,6 +302,7 @@ class ChatMessage(StrictModel):
         for k in ("name", "tool_call_id"):
             if getattr(self, k) is not None:
                 out[k] = getattr(self, k)
+        out.update({k: v for k, v in (self.model_extra or {}).items() if k not in REFUSED_MESSAGE_FIELDS})
         if self.tool_calls:
             out["tool_calls"] = [
                 {"id": t.id, "type": "function", "function": {"name": t.function.name, "arguments": call_arguments(t)}}

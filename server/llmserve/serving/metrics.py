@@ -10,18 +10,25 @@ scrape must neither wait for it nor see stale llmserve_* gauges.
 from __future__ import annotations
 
 import http.client
+import os
 import threading
 import time
 import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from llmserve.http import failures as http_failures
+
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
 
 class EngineMetrics:
-    def __init__(self) -> None:
+    def __init__(self, log_dir: str | None = None) -> None:
+        # Where the HTTP front end's workers count the 5xx they answer themselves (http/failures.py);
+        # None: LOG_DIR, read at the first scrape.
+        self.log_dir = log_dir
+        self._http_seen: dict[str, int] = {}
         r = self.registry = CollectorRegistry()
         self.running = Gauge("llmserve_requests_running", "Requests in the running batch", registry=r)
         self.waiting = Gauge("llmserve_requests_waiting", "Requests waiting to be scheduled", registry=r)
@@ -105,6 +112,23 @@ class EngineMetrics:
             for j, n in enumerate(counts):
                 counter.labels(position=str(j)).inc(n)
 
+    def fold_http_failures(self) -> None:
+        """Add the front end's own 5xx (counted in files by its workers) to the failure counter."""
+        if self.log_dir is None:
+            from llmserve.config import Config  # here: the supervisor's environment is the stack's
+
+            try:
+                self.log_dir = Config.from_env().log_dir
+            except Exception:  # noqa: BLE001 - no settings, no front end to count
+                self.log_dir = ""
+        if not self.log_dir:
+            return
+        for code, n in http_failures.totals(self.log_dir, os.getpid()).items():
+            new = n - self._http_seen.get(code, 0)
+            if new > 0:
+                self.failure.labels(error_code=code).inc(new)
+                self._http_seen[code] = n
+
     def engine_down(self) -> None:
         self.running.set(0)
         self.waiting.set(0)
@@ -112,6 +136,7 @@ class EngineMetrics:
 
     def exposition(self, triton: TritonMetrics | None = None) -> bytes:
         """Triton's metrics (the last good copy) followed by ours (live)."""
+        self.fold_http_failures()
         parts = [triton.text()] if triton else []
         parts.append(generate_latest(self.registry))
         return b"".join(parts)

@@ -7,7 +7,8 @@ here, where the tokenizer is, so no adapter or front end needs one:
   {"token_id", "token", "bytes", "logprob", "text_offset", "top": [{"token_id", "token", "bytes", "logprob"}]}
 
 `token` is the token on its own (decoded with special tokens; a piece of a UTF-8 character
-shows as U+FFFD), `bytes` its raw bytes, `text_offset` where its text starts in the request's
+shows as U+FFFD), `bytes` its raw bytes (`top` leaves out tokens a grammar or a bias masked: their
+logprob is -inf, which no strict JSON parser takes; as vLLM does), `text_offset` where its text starts in the request's
 whole output text: the length of the detokenized text before it, so that it is the same
 however the tokens were split into steps or responses. Prompt entries (`prompt_logprobs`)
 count offsets in `prompt_text`; the first has `logprob` and `top` null.
@@ -15,11 +16,14 @@ count offsets in `prompt_text`; the first has `logprob` and `top` null.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from llmserve.engine.detokenizer import IncrementalDetokenizer
 from llmserve.engine.output_processor import TextState
 from llmserve.protocol import native
+
+MASKED_LOGPROB = -9999.0  # a chosen token's -inf / NaN logprob as strict JSON can carry it (vLLM's clamp)
 
 
 @dataclass
@@ -39,6 +43,7 @@ class Live:
     logprobs: list[dict] = field(default_factory=list)  # the same, when asked: one entry per token
     prompt: dict | None = None  # prompt_text / prompt_logprobs, until the item that carries them
     first_token_time: float | None = None
+    told_prompt: bool = False  # return_usage: the first item carries `prompt_tokens`
 
 
 class Speller:
@@ -65,20 +70,24 @@ class Speller:
         if top is not None:
             tops = []
             for t, lp in top:
+                if not math.isfinite(lp):  # masked (-inf) or NaN: not a candidate, and not JSON
+                    continue
                 t_text, t_raw = self.spell(t)
                 tops.append({"token_id": t, "token": t_text, "bytes": t_raw, "logprob": lp})
         return {
             "token_id": token_id,
             "token": text,
             "bytes": raw,
-            "logprob": logprob,
+            "logprob": logprob if logprob is None or math.isfinite(logprob) else MASKED_LOGPROB,
             "text_offset": offset,
             "top": tops,
         }
 
     def prompt(self, ids: list[int], lps: list | None) -> dict:
         """`prompt_text` (the prompt decoded) and, when computed, `prompt_logprobs` (an entry per token)."""
-        detok = IncrementalDetokenizer(self.tok, skip_special_tokens=True)
+        # Special tokens kept, as vLLM (and HF's decode) echo a token-id prompt: else a prompt of special
+        # ids echoes as nothing.
+        detok = IncrementalDetokenizer(self.tok, skip_special_tokens=False)
         text, offsets = "", []
         for t in ids:
             offsets.append(len(text))
@@ -113,6 +122,9 @@ def item(
     }
     if lv.req.logprobs is not None:  # an entry per token
         out["logprobs"] = logprobs if stream else lv.logprobs
+    if lv.req.return_usage and not lv.told_prompt:  # usage so far, before the last item (OpenAI's continuous)
+        out["prompt_tokens"] = len(lv.prompt_ids)
+        lv.told_prompt = True
     if lv.prompt is not None:  # the first item sent carries the prompt's text and logprobs
         out.update(lv.prompt)
         lv.prompt = None
