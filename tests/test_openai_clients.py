@@ -115,8 +115,8 @@ def _grpc_raw(url: str, body: dict, timeout: float = 120) -> list[bytes]:
     """Every OUT tensor of one request over Triton's gRPC stream, as the bytes tritonclient hands over."""
     import tritonclient.grpc as grpcclient
 
+    from llmserve.serving.tritonserver import MODEL_NAME
     from llmserve.triton.client import _input
-    from llmserve.triton.launcher import MODEL_NAME
 
     got: queue.Queue = queue.Queue()
     c = grpcclient.InferenceServerClient(url)

@@ -1,4 +1,4 @@
-"""Weight-only quantized GEMMs (runners/torch/kernels/quant_gemm.py).
+"""Weight-only quantized GEMMs (kernels/quant_gemm.py).
 
 CPU (always): the pure-torch references against a float64 computation that builds W from the integer
 weights themselves (the packing done here, with numpy, and checked by unpacking it back).

@@ -24,7 +24,7 @@ LOAD = 48  # requests per cycle, 8 at a time
 
 def shm_of(stack) -> set[str]:
     """The /dev/shm entries the running stack has: Triton's Python-backend regions (named by its gRPC
-    port, triton/launcher.py) and whatever else its processes map. Not all of /dev/shm: the other
+    port, serving/tritonserver.py) and whatever else its processes map. Not all of /dev/shm: the other
     test process's stacks come and go beside this one."""
     names = {p.name for p in Path("/dev/shm").glob(f"llmserve_{stack.ports['SERVICE_GRPC_PORT']}_*")}
     for pid in process_tree(stack.supervisor_pid):

@@ -1,6 +1,6 @@
 """Speculative decoding is lossless: verified tokens have the target's distribution (statistical tests).
 
-The verification contract (runners/base.py): a chunk with k drafts has k + 1 rows of logits; row j
+The verification contract (engine/runner_contract.py): a chunk with k drafts has k + 1 rows of logits; row j
 is sampled exactly as without speculation with drafts[:j] taken as output (penalties count them,
 output index base + j keys the seed and min_tokens), and the chunk keeps the drafts up to the first
 that differs from the token drawn at its position, plus that drawn token. That is rejection sampling

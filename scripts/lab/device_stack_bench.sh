@@ -8,7 +8,7 @@
 # Steps, each bounded in time, with timestamps:
 #  1. install .whl/ (if present): wheels into $SITE, the cut-down nvidia-pytriton beside them, numpy<2
 #     for the Triton stub into $STUB_SITE (LLMSERVE_TRITON_STUB_PYTHONPATH); check imports and libraries;
-#  2. build a random-weight Llama-3-8B-shaped bf16 HF checkpoint in /dev/shm (runners/torch/random_model.py;
+#  2. build a random-weight Llama-3-8B-shaped bf16 HF checkpoint in /dev/shm (models/random_model.py;
 #     SMALL: Llama-3.2-1B-shaped) with a byte-level BPE tokenizer of the model's vocabulary size;
 #  3. phase "stack": start_server.sh on it (BATCH_SIZE=256, PUSH_MODE_HTTP_WORKERS=4), then
 #     `llmserve bench` for each of $BACKENDS (native, openai-completions, triton-grpc), then stop it;

@@ -135,10 +135,14 @@ class LLMEngine:
         if n >= limit:
             raise ValueError(f"the prompt has {n} tokens; this engine serves at most {limit - 1}")
         vocab = self.runner.vocab_size
-        for name, ids in (("prompt", prompt_token_ids), ("logit_bias", params.logit_bias)):
+        for name, ids in (
+            ("prompt", prompt_token_ids),
+            ("logit_bias", params.logit_bias),
+            ("prediction", params.prediction_token_ids),
+        ):
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
-                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+                raise ValueError(f"{name}: token id {bad} is out of vocabulary (the vocabulary is [0, {vocab}))")
         # A request that could outgrow the whole cache could never run: refused, never shortened (the caller's
         # params are not ours to change).
         if n + params.max_tokens > limit:
@@ -155,6 +159,7 @@ class LLMEngine:
         if params.grammar is not None:
             self.grammars.add(req)  # ValueError: it cannot run on this model's tokens
         self.requests[req_id] = req
+        self.spec.admit(req)
         self._prompt_tokens += n
         self._text[req_id] = TextState(params, self.tokenizer)  # no text without a tokenizer
         self.scheduler.add(req)

@@ -102,7 +102,7 @@ class Sampler:
         self, logits: np.ndarray, chunks: list[SeqChunk]
     ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
         """Tokens of sampling chunks from their rows of logits (`num_sampled_rows` each, in order),
-        verifying drafts as runners/base.py says: row j is sampled as if drafts[:j] were output, and
+        verifying drafts as engine/runner_contract.py says: row j is sampled as if drafts[:j] were output, and
         the rows after the first mismatch are never drawn, so the request's generator advances
         exactly as it would without speculation (a seeded request draws the same tokens)."""
         tokens: list[list[int]] = []

@@ -4,12 +4,16 @@ Before scheduling: how many drafts per request this step verifies (`plan`; the d
 speculative.py) and the proposals themselves (`propose`). After scheduling: the proposer's per-step
 state for the scheduled chunks (`fill`), and whether the runner keeps it (`keep_state`). After a step
 is taken in: acceptance counts (`record`) and the step's cost for the rule (`measure`). Without a
-proposer every call is a no-op and `plan` gives k = 0.
+proposer every call is a no-op and `plan` gives k = 0, except for requests that carry a prediction
+(OpenAI's predicted outputs, engine/prediction.py): they are given its tokens as proposals, k = the most
+drafts (SPECULATE_MAX_DRAFT_TOKEN_NUM) while any such request runs. With a configured proposer that keeps
+per-request state of its own (draft, mtp), that proposer's drafts are used and the prediction is not.
 """
 
 from __future__ import annotations
 
 from llmserve.config import Config
+from llmserve.engine.prediction import PredictionProposer
 from llmserve.engine.request import Request
 from llmserve.engine.runner_contract import ModelRunner, SeqChunk
 from llmserve.engine.speculative import DraftLength, Proposer, SpecStats, StepMeter
@@ -19,6 +23,10 @@ class SpecStage:
     def __init__(self, config: Config, runner: ModelRunner, proposer: Proposer | None) -> None:
         self.proposer = proposer
         k = config.speculate_max_draft_tokens
+        self.max_k = k
+        # Predicted outputs: their proposer, and the requests in flight that carry one.
+        self.predictions = PredictionProposer() if proposer is None or not proposer.per_step_state else None
+        self._predicted: set[str] = set()
         self.stats = SpecStats(k)
         self.rule = DraftLength(k, runner.saturation_tokens, config.speculate_adaptive)
         self.max_rows = runner.max_sampled_rows  # the sampler's scratch (and the KV sizing) per step
@@ -30,14 +38,19 @@ class SpecStage:
     def on(self) -> bool:
         return self.proposer is not None
 
+    def admit(self, req: Request) -> None:
+        """A request enters the engine: one with a prediction is proposed its tokens."""
+        if self.predictions is not None and req.params.prediction_token_ids:
+            self._predicted.add(req.req_id)
+
     def plan(self, running: int, waiting: int) -> tuple[int, int]:
         """(load, k): the requests running and waiting (their prompts come first, and a verification
         step would hold them up), and the drafts per request for the next step: the rule's k for that
         load, capped so that the step samples at most the rows the runner has room for."""
-        if not self.on:
+        if not self.on and not self._predicted:
             return 0, 0
         batch = running + waiting
-        k = self.rule.choose(batch, self.stats.acceptance)
+        k = self.rule.choose(batch, self.stats.acceptance) if self.on else self.max_k
         if self.max_rows and batch:
             k = max(0, min(k, self.max_rows // batch - 1))
         return batch, k
@@ -45,10 +58,11 @@ class SpecStage:
     def propose(self, running: list[Request], k: int, left: list[str], max_model_len: int) -> None:
         """Proposals (k each) for the decoding requests; stale ones are cleared, and the proposer
         forgets the requests that left."""
-        if not self.on:
-            return
-        if left:
+        if left and self.on:
             self.proposer.drop(left)
+        if left and self._predicted:
+            self.predictions.drop(left)
+            self._predicted.difference_update(left)
         if not k and not self._proposed:  # a plain step after plain steps: nothing to clear or propose
             return
         self._proposed = bool(k)
@@ -57,11 +71,13 @@ class SpecStage:
             req.draft_token_ids, req.draft_probs = [], None
             if req.num_tokens - req.num_computed_tokens == 1 and not req.done_sampling(max_model_len):
                 decoding.append(req)
-        if k and decoding:
+        if k and decoding and self.on:
             self.proposer.propose(decoding, k)
+        if k and decoding and self._predicted:
+            self.predictions.propose([r for r in decoding if r.req_id in self._predicted], k)
 
     def fill(self, chunks: list[SeqChunk], k: int) -> None:
-        if k:
+        if k and self.on:
             self.proposer.fill(chunks)
 
     def keep_state(self, k: int, batch: int) -> bool:

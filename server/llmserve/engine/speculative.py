@@ -2,7 +2,7 @@
 
 Each step, before scheduling, the engine asks the proposer for up to k tokens to follow each
 decoding request's last one (`Request.draft_token_ids`); the scheduler puts them in the request's
-chunk, the runner verifies them losslessly (runners/base.py) and the engine rolls back the
+chunk, the runner verifies them losslessly (engine/runner_contract.py) and the engine rolls back the
 rejected ones. k comes from `DraftLength`, the measured acceptance from `SpecStats`.
 
 Proposers:

@@ -44,7 +44,7 @@ except ImportError:  # pragma: no cover
 
 
 def rope_cos_sin(inv_freq: np.ndarray, max_pos: int, device: torch.device) -> torch.Tensor:
-    """[max_pos, D/2, 2] float32: cos and sin of each position and frequency (inv_freq from models/rope.py)."""
+    """[max_pos, D/2, 2] float32: cos and sin of each position and frequency (inv_freq from layers/rope.py)."""
     inv_freq = torch.from_numpy(inv_freq).double()
     ang = torch.arange(max_pos, dtype=torch.float64)[:, None] * inv_freq[None, :]
     return torch.stack([ang.cos(), ang.sin()], dim=-1).float().to(device)

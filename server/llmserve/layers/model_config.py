@@ -36,7 +36,7 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "float32"
-    # rope scaling as sorted (key, value) pairs (hashable); see models/rope.py
+    # rope scaling as sorted (key, value) pairs (hashable); see layers/rope.py
     rope_scaling: tuple[tuple[str, object], ...] = ()
 
     @classmethod

@@ -14,7 +14,7 @@ Per step the host uploads one small parameter block; penalty counts live on
 the device per request and are updated with each request's new tokens, so a
 penalised request costs O(new tokens) host work per step, not O(length).
 
-Verification (speculative decoding, `verify`; the contract is in runners/base.py). Row j of a
+Verification (speculative decoding, `verify`; the contract is in engine/runner_contract.py). Row j of a
 chunk with k drafts is processed as without speculation with drafts[:j] taken as output. Then:
 - drafts without a distribution (n-gram proposals; every greedy request): the coupled one-hot path,
   keep draft j while the target's own draw at row j equals it;
@@ -108,7 +108,7 @@ class DeviceSampler:
     def verify(
         self, logits: torch.Tensor, chunks: list[SeqChunk], out_index: list[int]
     ) -> tuple[torch.Tensor, torch.Tensor, object]:
-        """Sampling chunks with drafts (runners/base.py): logits [R, V], each chunk's
+        """Sampling chunks with drafts (engine/runner_contract.py): logits [R, V], each chunk's
         `num_sampled_rows` rows in turn; out_index[i]: output index of chunk i's first row.
         Row j is drawn as `sample` draws it with drafts[:j] taken as output (penalties, seeds and
         min_tokens see them), then each chunk keeps the tokens up to its first draft that differs

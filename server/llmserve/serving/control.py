@@ -228,7 +228,7 @@ def start() -> int:
 
 
 def _start_worker_node(cfg: Config, node: int, run_file: Path, out) -> int:
-    """A node other than 0 runs only its ranks (dist/node.py), which wait for node 0's rank 0."""
+    """A node other than 0 runs only its ranks (executor/node.py), which wait for node 0's rank 0."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "llmserve.executor.node"],
         stdin=subprocess.DEVNULL,

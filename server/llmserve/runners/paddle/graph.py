@@ -123,7 +123,7 @@ class LlamaPaddle:
         kv_heads = self.cfg.num_key_value_heads
         return self._rope(q, cos, sin, self.cfg.num_attention_heads), self._rope(k, cos, sin, kv_heads), v
 
-    # Tensor-parallel hooks (models/export_mp.py overrides them): identities for one rank.
+    # Tensor-parallel hooks (runners/paddle/export_mp.py overrides them): identities for one rank.
     def _all_reduce(self, x):
         return x
 

@@ -1,12 +1,12 @@
 """One rank of a Paddle tensor-parallel group: its communicator, then its graph (`rank_<r>`).
 
 An `llmserve export --mp N` holds one static graph per rank whose collectives (`mp_allreduce_sum`,
-`all_gather`) run on communicator ring 0 (models/export_mp.py). paddle.inference creates that
+`all_gather`) run on communicator ring 0 (runners/paddle/export_mp.py). paddle.inference creates that
 communicator itself only on GPU builds (NCCL, from rank_mapping.csv); on CPU each rank joins a gloo
 process group before its predictor runs, and the graph's CPU kernels use it.
 
 The ranks are llmserve.executor's (rank 0 in the engine core, the others worker processes); they meet on
-its torch.distributed store (dist/group.py), which also carries what Paddle needs:
+its torch.distributed store (executor/group.py), which also carries what Paddle needs:
 - `paddle/ring`: the process group's id, from rank 0: new for each group its process starts;
 - `paddle/store`: host:port of Paddle's own store, which rank 1 opens (a worker, so that the port
   goes with the group; rank 0's process may start another group later: the offline engine).

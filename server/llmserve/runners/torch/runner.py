@@ -70,7 +70,7 @@ class TorchRunner(ModelRunner):
 
     def __init__(self, model_dir: str, config: Config, tp: TensorParallel = SINGLE) -> None:
         """`tp`: this rank of a tensor-parallel group (parallel.py): every rank builds the same runner
-        over its shard and runs every step; rank 0's result is the one used (dist/)."""
+        over its shard and runs every step; rank 0's result is the one used (executor/)."""
         self.config = config
         self.tp = tp
         cfg_path = config.model_config_path or str(Path(model_dir) / "config.json")
