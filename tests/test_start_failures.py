@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
 import time
 from pathlib import Path
 
@@ -18,8 +20,8 @@ import pytest
 import requests
 
 from llmserve.config import Config
-from llmserve.serving import preflight
-from llmserve.serving.testing import ServingStack, http_stack, port_is_free
+from llmserve.serving import preflight, start_status
+from llmserve.serving.testing import ROOT, ServingStack, http_stack, port_is_free, wait_until
 
 START_TIMEOUT = 300
 WELL_BEFORE = START_TIMEOUT / 2
@@ -102,6 +104,44 @@ def test_a_model_directory_it_cannot_load_fails_the_start_at_once(tmp_path):
     # The tokenizer's or the weights' loader, whichever finds it first: each names the directory and what it holds.
     assert str(model) in reason and "weights.bin" in reason, reason
     print(f"\nbad MODEL_DIR: start failed in {took:.1f} s")
+
+
+def test_an_engine_killed_while_loading_is_not_restarted_and_its_exit_is_the_reason(tmp_path, demo_dir):
+    """As the kernel's OOM killer would: SIGKILL to the engine core while it loads (it leaves no reason)."""
+    stack = ServingStack(tmp_path, MODEL_DIR=demo_dir, LLMSERVE_START_TIMEOUT=str(START_TIMEOUT))
+    out, err = tmp_path / "start.out", tmp_path / "start.err"
+    with open(out, "w") as o, open(err, "w") as e:
+        start = subprocess.Popen([str(ROOT / "start_server.sh")], env=stack.env, stdout=o, stderr=e)
+    try:
+        pids: list[int | None] = []
+        assert wait_until(lambda: pids.append(_core_of(stack.log_dir)) or pids[-1], timeout=120), stack.logs()
+        os.kill(pids[-1], signal.SIGKILL)
+        rc = start.wait(timeout=START_TIMEOUT)
+    finally:
+        if start.poll() is None:
+            start.kill()
+            stack.stop()
+    lines = err.read_text().splitlines()
+    assert rc == 1 and lines, (rc, lines, stack.logs())
+    assert lines[0].startswith("start_server: the engine failed to start: the engine core killed by SIGKILL"), lines
+    assert "out of memory?" in lines[0], lines
+    assert not stack_processes(stack.log_dir), stack_processes(stack.log_dir)
+    for var, port in stack.ports.items():
+        assert port_is_free(port), f"{var}={port} still taken"
+    assert (stack.log_dir / "server.log").read_text().count("started engine") == 1
+
+
+def _core_of(log_dir: Path) -> int | None:
+    """The engine core's pid once it is loading (its phase says so), else None."""
+    if not start_status.read(log_dir).get("phase", "").startswith("engine core:"):
+        return None
+    for pid in stack_processes(log_dir):
+        try:
+            if b"llmserve.serving.engine_core" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return pid
+        except OSError:
+            continue
+    return None
 
 
 def test_a_missing_package_the_configuration_needs_is_named(tmp_path, demo_dir):

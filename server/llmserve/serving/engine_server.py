@@ -186,13 +186,12 @@ class EngineServer:
         except NativeError as e:
             self._reject(client, req_id, e.code, e.msg, e.param)
             return
-        except ImportError as e:  # a feature whose package is not installed here (preflight.py), else a bug
-            if (msg := preflight.request_error(e)) is None:
-                raise
-            self._reject(client, req_id, preflight.NOT_IMPLEMENTED, msg)
-            return
-        except Exception as e:  # a bug: answer it, keep serving
-            log.exception("admitting %s failed", req_id)
+        except Exception as e:
+            # A feature whose package is not installed here (preflight.py): 501 naming it, no traceback.
+            if isinstance(e, ImportError) and (missing := preflight.request_error(e)) is not None:
+                self._reject(client, req_id, preflight.NOT_IMPLEMENTED, missing)
+                return
+            log.exception("admitting %s failed", req_id)  # a bug: answer it, keep serving
             self._reject(client, req_id, native.INTERNAL, f"internal error: {e}")
             return
         if not self.live:
