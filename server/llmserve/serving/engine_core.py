@@ -273,7 +273,7 @@ def load(config: Config) -> LLMEngine:
     """The model and its engine, warmed up (USE_WARMUP=1)."""
     from llmserve.engine.loader import load_model
 
-    log.info("loading the model (%s)", config.model_dir or "the demo")
+    log.info("loading the model %s (its weights; on a GPU also the KV cache and CUDA graphs)", config.model_dir)
     runner, tokenizer = load_model(config)
     # No text here (the server's work): the tokenizer serves structured output's grammars only.
     log.info("setting up the engine (KV cache, sampler, speculative decoding)")

@@ -245,7 +245,7 @@ class Supervisor:
         if self.stalled > self.cfg.check_health_interval:
             return ENGINE_HUNG, f"the engine has made no progress for {self.stalled:.1f} s"
         if not self.triton.alive() or not self.triton_ready:
-            return NOT_READY, "Triton server or model not ready"
+            return NOT_READY, "Triton server or model not ready (starting Triton, loading its model)"
         if self.adapters == 0:
             return NOT_READY, "the Triton model has not connected to the engine yet"
         return 0, ""
