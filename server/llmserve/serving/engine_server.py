@@ -462,6 +462,7 @@ def main() -> None:
         start_status.fail(config.log_dir, start_status.one_line(e))
         exit_now(LOAD_FAILED)
     start_status.untrack(phases)
+    start_status.write(config.log_dir, phase="engine: loaded, starting to serve")
     freeze_startup_objects()
     log.info("engine ready in %.1f s", time.monotonic() - t0)
 

@@ -346,6 +346,8 @@ class Supervisor:
                         self.metrics.engine_down()
                 elif now >= c.restart_at:
                     c.restarts += 1
+                    if c is self.engine:
+                        start_status.clear(self.status_dir)  # the last engine's phase is not the new one's
                     c.start()
             self._check_stub(now)
             if self.engine.alive() and self.last_hb is not None:
