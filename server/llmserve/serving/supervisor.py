@@ -360,6 +360,8 @@ class Supervisor:
                     self.last_hb, self.stalled = None, 0.0
         self.stopping.set()
         self._shutdown(servers)
+        if code == 0:  # a failed start's reason stays (start_server.sh prints it; a record of why)
+            start_status.clear(self.status_dir)
         return code
 
     def _load_failed(self) -> int:
