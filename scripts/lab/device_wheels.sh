@@ -14,7 +14,7 @@
 #   .whl/stub-numpy.tar.xz      numpy<2 for the Triton stub alone (Triton 2.51's stub misreads numpy 2
 #                               arrays): unpack into a directory named by LLMSERVE_TRITON_STUB_PYTHONPATH
 # scripts/lab/device_stack_bench.sh installs all three. Versions are those of this checkout's .venv (what
-# the tests ran with), else the pins below.
+# the tests ran with; PY=... names another interpreter that has the stack installed).
 #
 #   scripts/lab/device_wheels.sh                 # into .whl/ (PY_VERSION=3.12)
 #   DEST=/tmp/w PY_VERSION=3.11 scripts/lab/device_wheels.sh   # the same for another Python (to test here)
@@ -28,25 +28,15 @@ CARRY_GRPCIO="${CARRY_GRPCIO:-1}"
 PY="${PY:-$HERE/.venv/bin/python}"
 [[ -x "$PY" ]] || PY="$(command -v python3)"
 
-# Not on the box (or needed at a newer version than it may have). Box packages used as they are:
-# anyio, h11, click, annotated-doc, httpx, aiohttp, msgpack, prometheus-client, jinja2, tokenizers, safetensors,
-# sentencepiece, ml-dtypes, packaging, urllib3, tqdm, matplotlib, requests, torch, transformers.
-PACKAGES=(
-  pyzmq                     # engine <-> Triton adapter link
-  pydantic pydantic-core annotated-types typing-inspection typing-extensions
-  fastapi starlette opentelemetry-api uvicorn httptools  # the HTTP front end (fastapi >= 0.16x imports opentelemetry)
-  uvloop                    # its event loop (uvicorn[standard] brings it; without it asyncio's own, ~10% more CPU)
-  tritonclient python-rapidjson protobuf        # front end, supervisor and bench -> Triton over gRPC
-  pytest pluggy iniconfig   # scripts/lab/device_gpu_tests.sh
-)
-[[ "$CARRY_GRPCIO" == 1 ]] && PACKAGES+=(grpcio)
-declare -A FALLBACK=(
-  [pyzmq]=27.3.0 [pydantic]=2.14.3 [pydantic-core]=2.50.4 [annotated-types]=0.8.0 [typing-inspection]=0.4.5
-  [typing-extensions]=4.16.0 [fastapi]=0.165.0 [starlette]=1.10.0 [opentelemetry-api]=1.45.2 [uvicorn]=0.54.0 [httptools]=0.9.0 [uvloop]=0.23.0
-  [tritonclient]=2.73.0 [python-rapidjson]=1.25 [protobuf]=6.33.6 [grpcio]=1.85.1
-  [pytest]=9.2.0 [pluggy]=1.7.0 [iniconfig]=2.3.1
-  [nvidia-pytriton]=0.7.0 [numpy]=1.26.4
-)
+# The wheel set is derived from pyproject.toml (scripts/lab/device_wheel_set.py: the closure of what
+# `pip install .[serve]` installs, plus pytest, at this .venv's versions, less what the box's image
+# has): a GPU box gets every runtime dependency a pip install would (llguidance was once missing
+# from a hand-written list: every structured-output request failed there).
+#   "$PY" scripts/lab/device_wheel_set.py --why   # the set, and what is left out and why
+mapfile -t specs < <("$PY" "$HERE/scripts/lab/device_wheel_set.py" --python "$PY_VERSION")
+[[ "${#specs[@]}" -gt 0 ]] || { echo "device_wheel_set.py gave no wheels" >&2; exit 1; }
+[[ "$CARRY_GRPCIO" == 1 ]] || mapfile -t specs < <(printf '%s\n' "${specs[@]}" | grep -v '^grpcio==')
+declare -A FALLBACK=([nvidia-pytriton]=0.7.0 [numpy]=1.26.4)  # the two carried cut down, when the .venv lacks them
 ts() { echo "[$(date +%H:%M:%S)] $*"; }
 version_of() {  # the .venv's version of a distribution, else the fallback pin
   "$PY" -c "import importlib.metadata as m, sys
@@ -67,12 +57,10 @@ download() {  # download NAME==VERSION ... into $1
 TMP="$(mktemp -d)"
 trap 'rm -rf "$TMP"' EXIT
 mkdir -p "$DEST"
-specs=()
-for p in "${PACKAGES[@]}"; do specs+=("$p==$(version_of "$p")"); done
 ts "wheels: ${specs[*]}"
 download "$TMP/w" "${specs[@]}"
 n=$(ls "$TMP"/w/*.whl | wc -l)
-[[ "$n" -eq "${#PACKAGES[@]}" ]] || { echo "expected ${#PACKAGES[@]} wheels, got $n" >&2; exit 1; }
+[[ "$n" -eq "${#specs[@]}" ]] || { echo "expected ${#specs[@]} wheels, got $n" >&2; exit 1; }
 for w in "$TMP"/w/*.whl; do  # replace other versions of the same packages (only those: .whl may hold others)
   b="$(basename "$w")"
   rm -f "$DEST/${b%%-*}"-*.whl

@@ -23,6 +23,18 @@ log = logging.getLogger(__name__)
 COMPILED_GRAMMARS = 256  # grammars kept compiled (least recently used go first)
 
 
+def _llguidance():
+    """The grammar engine, or a ValueError naming the package (the request is refused, the engine serves on)."""
+    try:
+        import llguidance
+    except ImportError as e:
+        raise ValueError(
+            "structured output needs the package llguidance, which is not installed on this server "
+            f"(pip install llguidance): {e}"
+        ) from None
+    return llguidance
+
+
 class _Vocabulary:
     """What llguidance's TokenizerWrapper reads of a tokenizer."""
 
@@ -57,8 +69,7 @@ class GrammarMatchers:
 
     def _lltokenizer(self):
         if self._ll is None:
-            import llguidance
-
+            llguidance = _llguidance()
             if self.tokenizer is None:
                 raise ValueError("structured output needs the model's tokenizer, and this engine has none")
             vocab = _Vocabulary(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -67,8 +78,7 @@ class GrammarMatchers:
 
     def add(self, req: Request) -> None:
         """A matcher for a request with a grammar; ValueError when it cannot run on this tokenizer."""
-        import llguidance
-
+        llguidance = _llguidance()
         g = req.params.grammar
         fresh = self._compiled.get(g)
         if fresh is None:

@@ -30,7 +30,9 @@ from pathlib import Path
 
 from llmserve.config import Config, ConfigError
 from llmserve.runners.rank_layout import layout
+from llmserve.serving import start_status
 from llmserve.serving.ports import bind_error
+from llmserve.serving.start_status import LOAD_FAILED
 from llmserve.serving.supervisor import http_frontend_enabled
 from llmserve.serving.tritonserver import shm_prefix
 
@@ -141,6 +143,31 @@ def _tail(path: Path, n: int = 30) -> str:
         return ""
 
 
+def _waiting_for(status: int, body: str) -> str:
+    """What a not-ready answer of the health port says the start waits for."""
+    if status == 0:
+        return "the supervisor's health port"
+    try:
+        return json.loads(body).get("error_msg") or body
+    except (ValueError, AttributeError):
+        return body
+
+
+def _start_failed(cfg: Config, log_dir: Path, code: int) -> None:
+    """The supervisor ended during the start: the engine's one-line reason when its load failed
+    (start_status.py), else the logs' last lines."""
+    reason = start_status.read(log_dir).get("error")
+    if code == LOAD_FAILED and reason:
+        print(f"start_server: the engine failed to start: {reason}", file=sys.stderr)
+        if not cfg.output_log_to_console:
+            print(f"start_server: (its log: {log_dir / 'engine.log'})", file=sys.stderr)
+        return
+    print(f"start_server: the server exited during start-up (code {code})", file=sys.stderr)
+    for name in ("server.log", "engine.log", "triton.log"):
+        if not cfg.output_log_to_console and (t := _tail(log_dir / name)):
+            print(f"--- {log_dir / name} (last lines)\n{t}", file=sys.stderr)
+
+
 def start() -> int:
     # Every setting is read (and checked) here, once, before anything starts.
     try:
@@ -195,19 +222,20 @@ def start() -> int:
         )
     )
     timeout = cfg.start_timeout
-    deadline = time.monotonic() + timeout
-    status, body = 0, ""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    status, body, shown_wait = 0, "", ""
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            print(f"start_server: the server exited during start-up (code {proc.returncode})", file=sys.stderr)
-            for name in ("server.log", "engine.log", "triton.log"):
-                if not cfg.output_log_to_console and (t := _tail(log_dir / name)):
-                    print(f"--- {log_dir / name} (last lines)\n{t}", file=sys.stderr)
+            _start_failed(cfg, log_dir, proc.returncode)
             stop(cfg)
             return 1
         status, body = _ready(cfg.local_host, cfg.health_http_port)
         if status == 200:
             break
+        if (waiting := _waiting_for(status, body)) != shown_wait:  # the progress line: each new phase
+            print(f"  waiting ({time.monotonic() - t0:.0f} s): {waiting}", flush=True)
+            shown_wait = waiting
         time.sleep(0.1)
     else:
         print(

@@ -57,14 +57,24 @@ from llmserve.engine.llm_engine import DuplicateRequestError, LLMEngine
 from llmserve.engine.output import RequestOutput
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.speculative import SpecStats
+from llmserve.serving import start_status
 from llmserve.serving.arrival_wait import CAP_S, POLL_S, ArrivalWait
 from llmserve.serving.ipc import dumps, endpoint, loads
+from llmserve.serving.start_status import LOAD_FAILED
 from llmserve.utils.process import die_with_parent, exit_now
 
 log = logging.getLogger("llmserve.engine_core")
 
 IDLE_POLL_MS = 100
 CORE_START_TIMEOUT_S = 1800.0  # loading a large checkpoint and capturing CUDA graphs takes minutes
+
+
+class CoreLoadError(RuntimeError):
+    """The core ended before it was ready; `code` is its exit status (LOAD_FAILED: it wrote why)."""
+
+    def __init__(self, msg: str, code: int) -> None:
+        super().__init__(msg)
+        self.code = code
 
 
 class CoreLink:
@@ -87,7 +97,8 @@ class CoreLink:
                     self.info = msg
                     return msg
             if self.proc.poll() is not None:
-                raise RuntimeError(f"the engine core exited while loading (code {self.proc.returncode})")
+                code = self.proc.returncode
+                raise CoreLoadError(f"the engine core {start_status.exit_reason(code)} while loading", code)
         raise RuntimeError(f"the engine core was not ready within {timeout:.0f} s")
 
     def send(self, msg: dict) -> None:
@@ -250,20 +261,37 @@ def warmup(engine: LLMEngine, config: Config) -> None:
         engine.step()
 
 
-def main() -> None:
-    die_with_parent()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+def load(config: Config) -> LLMEngine:
+    """The model and its engine, warmed up (USE_WARMUP=1)."""
     from llmserve.serving.compose import load_model
 
-    config = Config.from_env()
-    t0 = time.monotonic()
+    log.info("loading the model %s (its weights; on a GPU also the KV cache and CUDA graphs)", config.model_dir)
     runner, tokenizer = load_model(config)
     # No text here (the server's work): the tokenizer serves structured output's grammars only.
+    log.info("setting up the engine (KV cache, sampler, speculative decoding)")
     engine = LLMEngine(config, runner, grammar_tokenizer=tokenizer)
     if config.use_warmup:
         t1 = time.monotonic()
+        log.info("warming up")
         warmup(engine, config)
         log.info("warm-up done in %.1f s", time.monotonic() - t1)
+    return engine
+
+
+def main() -> None:
+    die_with_parent()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = Config.from_env()
+    t0 = time.monotonic()
+    phases = start_status.track(config.log_dir, "engine core")
+    try:
+        engine = load(config)
+    except BaseException as e:  # noqa: BLE001 - a load that fails says why, in one line, and is not retried
+        start_status.untrack(phases)  # the lines below are no phase
+        log.exception("loading failed")
+        start_status.fail(config.log_dir, start_status.one_line(e))
+        exit_now(LOAD_FAILED)
+    start_status.untrack(phases)
     frozen = freeze_startup_objects()
     log.info(
         "engine core ready in %.1f s (overlapped steps: %s; %d startup objects frozen)",
@@ -274,7 +302,7 @@ def main() -> None:
     sock = zmq.Context.instance().socket(zmq.PAIR)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(sys.argv[1])
-    limits = {"vocab_size": runner.vocab_size, "max_model_len": engine.max_model_len}
+    limits = {"vocab_size": engine.runner.vocab_size, "max_model_len": engine.max_model_len}
     sock.send(dumps({"op": "ready", "capacity_tokens": engine.capacity_tokens, **limits}))
     core = EngineCore(engine, sock)
     signal.signal(signal.SIGTERM, lambda *_: setattr(core, "stopping", True))

@@ -37,10 +37,11 @@ from llmserve.engine.heap import freeze_startup_objects
 from llmserve.engine.output_processor import TextState
 from llmserve.protocol import cancelled_response, native
 from llmserve.protocol.native import NativeError
-from llmserve.serving import intake_trace, responses
-from llmserve.serving.engine_core import CoreLink, spec_sum
+from llmserve.serving import intake_trace, preflight, responses, start_status
+from llmserve.serving.engine_core import CoreLink, CoreLoadError, spec_sum
 from llmserve.serving.ipc import HEARTBEAT_S, dumps, endpoint, loads
 from llmserve.serving.responses import Live
+from llmserve.serving.start_status import LOAD_FAILED
 from llmserve.utils.process import exit_now
 
 log = logging.getLogger("llmserve.engine_server")
@@ -185,8 +186,12 @@ class EngineServer:
         except NativeError as e:
             self._reject(client, req_id, e.code, e.msg, e.param)
             return
-        except Exception as e:  # a bug: answer it, keep serving
-            log.exception("admitting %s failed", req_id)
+        except Exception as e:
+            # A feature whose package is not installed here (preflight.py): 501 naming it, no traceback.
+            if isinstance(e, ImportError) and (missing := preflight.request_error(e)) is not None:
+                self._reject(client, req_id, preflight.NOT_IMPLEMENTED, missing)
+                return
+            log.exception("admitting %s failed", req_id)  # a bug: answer it, keep serving
             self._reject(client, req_id, native.INTERNAL, f"internal error: {e}")
             return
         if not self.live:
@@ -413,17 +418,25 @@ def start(config: Config) -> EngineServer:
     from llmserve.engine.tokenizer import load_tokenizer
     from llmserve.runners.model_dir import resolve_model_dir
 
+    missing = preflight.problems(config)
+    if missing:
+        raise RuntimeError("; ".join(missing))
+    for line in preflight.features_off():
+        log.warning("%s", line)
     sock = listen(config)
     core = None
     try:
+        log.info("resolving the model (exporting the demo model on a first start)")
         model_dir = resolve_model_dir(config)
         env = {**os.environ, **config.to_env(), "MODEL_DIR": str(model_dir)}
         # A CPU model leaves one core to this process and the rest of the stack: with every core its math
         # threads are preempted at each step's output work, and wait on each other (2 cores: 30% slower).
         if config.paddle_threads == 0:  # automatic
             env["LLMSERVE_PADDLE_THREADS"] = str(max(1, len(os.sched_getaffinity(0)) - 1))
+        log.info("starting the engine core")
         core = CoreLink(zmq.Context.instance(), env)
         tokenizer = load_tokenizer(str(model_dir), use_hf=config.use_hf_tokenizer)
+        log.info("the engine core is loading the model")
         core.wait_ready()
     except BaseException:
         if core is not None:
@@ -437,7 +450,19 @@ def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = Config.from_env()
     t0 = time.monotonic()
-    server = start(config)
+    phases = start_status.track(config.log_dir, "engine")
+    try:
+        server = start(config)
+    except BaseException as e:  # noqa: BLE001 - one line says why (the core's own, when it wrote one); no retry
+        start_status.untrack(phases)  # the lines below are no phase: they must not overwrite the reason
+        if isinstance(e, CoreLoadError) and e.code == LOAD_FAILED:
+            log.error("loading failed: %s", start_status.read(config.log_dir).get("error") or e)
+        else:
+            log.exception("loading failed")
+        start_status.fail(config.log_dir, start_status.one_line(e))
+        exit_now(LOAD_FAILED)
+    start_status.untrack(phases)
+    start_status.write(config.log_dir, phase="engine: loaded, starting to serve")
     freeze_startup_objects()
     log.info("engine ready in %.1f s", time.monotonic() - t0)
 

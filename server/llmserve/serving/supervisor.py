@@ -2,8 +2,12 @@
 serves health probes and metrics.
 
 - The engine process is restarted whenever it exits (or hangs: no heartbeat, or
-  no step finished while it has work, for 3 x CHECK_HEALTH_INTERVAL); tritonserver
-  likewise.
+  no step finished while it has work, for 3 x CHECK_HEALTH_INTERVAL) after it was
+  ready once; tritonserver likewise. An engine that dies before it was ever ready
+  (its load failed: a refused setting, a model it cannot load, a missing package,
+  out of memory) is not retried: the supervisor stops everything and exits with
+  LOAD_FAILED, its reason in LOG_DIR/engine.status.json (start_status.py), which
+  start_server.sh prints. While the engine starts, not-ready answers name its phase.
 - HEALTH_HTTP_PORT: KServe v2 health and metadata (llmserve.serving.probes); ready
   is 200 when Triton, the model and the engine are all up, else 500 with
   error_code 1 not ready | 2 engine down | 3 engine hung.
@@ -37,9 +41,11 @@ from typing import BinaryIO
 import zmq
 
 from llmserve.config import Config
+from llmserve.serving import start_status
 from llmserve.serving.ipc import EngineLink
 from llmserve.serving.metrics import EngineMetrics, TritonMetrics
 from llmserve.serving.probes import HealthHandler, MetricsHandler, model_metadata
+from llmserve.serving.start_status import LOAD_FAILED
 from llmserve.serving.tritonserver import DEFAULT_MODEL_REPOSITORY, MODEL_NAME, triton_command
 
 log = logging.getLogger("llmserve.supervisor")
@@ -178,6 +184,9 @@ class Supervisor:
         self.stub_seen: tuple[int, int] | None = None  # (tritonserver pid, its stubs) seen alive when ready
         self.next_stub_check = 0.0
         self.last_hb: float | None = None
+        self.engine_was_ready = False  # a heartbeat came once: from then on a dead engine is restarted
+        self.status_dir = Path(cfg.log_dir)  # start_status's file (also with console logs: the run file is there)
+        start_status.clear(self.status_dir)  # a former start's phase or reason is not this one's
         self.stalled = 0.0  # how long the engine has had work without finishing a step (its last stats)
         self.adapters = 0
         self.triton_ready = False
@@ -228,14 +237,15 @@ class Supervisor:
         if not self.engine.alive():
             return ENGINE_DOWN, "the engine process is down (restarting)"
         if self.last_hb is None:
-            return NOT_READY, "the engine is starting"
+            phase = start_status.read(self.status_dir).get("phase")
+            return NOT_READY, f"the engine is starting ({phase})" if phase else "the engine is starting"
         age = time.monotonic() - self.last_hb
         if age > self.cfg.check_health_interval:
             return ENGINE_HUNG, f"no heartbeat from the engine for {age:.1f} s"
         if self.stalled > self.cfg.check_health_interval:
             return ENGINE_HUNG, f"the engine has made no progress for {self.stalled:.1f} s"
         if not self.triton.alive() or not self.triton_ready:
-            return NOT_READY, "Triton server or model not ready"
+            return NOT_READY, "Triton server or model not ready (starting Triton, loading its model)"
         if self.adapters == 0:
             return NOT_READY, "the Triton model has not connected to the engine yet"
         return 0, ""
@@ -255,6 +265,7 @@ class Supervisor:
                 for msg in link.recv_all():
                     if msg.get("op") == "stats":
                         self.last_hb = time.monotonic()
+                        self.engine_was_ready = True
                         self.stalled = msg.get("stalled", 0.0)
                         self.adapters = msg["adapters"]
                         self.engine_live = msg.get("live")
@@ -310,11 +321,15 @@ class Supervisor:
         for c in self.children:
             c.start()
         hung_limit = 3 * self.cfg.check_health_interval
+        code = 0
         while True:
             time.sleep(0.2)
             if self.stop_asked:
                 break
             now = time.monotonic()
+            if not self.engine.alive() and not self.engine_was_ready:
+                code = self._load_failed()
+                break
             for c in self.children:
                 if c.alive() or self.stop_asked:
                     continue
@@ -331,6 +346,8 @@ class Supervisor:
                         self.metrics.engine_down()
                 elif now >= c.restart_at:
                     c.restarts += 1
+                    if c is self.engine:
+                        start_status.clear(self.status_dir)  # the last engine's phase is not the new one's
                     c.start()
             self._check_stub(now)
             if self.engine.alive() and self.last_hb is not None:
@@ -343,7 +360,19 @@ class Supervisor:
                     self.last_hb, self.stalled = None, 0.0
         self.stopping.set()
         self._shutdown(servers)
-        return 0
+        if code == 0:  # a failed start's reason stays (start_server.sh prints it; a record of why)
+            start_status.clear(self.status_dir)
+        return code
+
+    def _load_failed(self) -> int:
+        """The engine died before it was ever ready: its load failed, and would again. Say why, stop."""
+        rc = self.engine.proc.returncode
+        reason = start_status.read(self.status_dir).get("error")
+        if not reason:  # killed, or it died before it could write (a crash in C, the OOM killer)
+            reason = f"the engine {start_status.exit_reason(rc)} before it was ready"
+            start_status.fail(self.status_dir, reason)
+        log.error("the engine failed to start (code %s): %s; not restarting it: stopping", rc, reason)
+        return LOAD_FAILED
 
     def _check_stub(self, now: float) -> None:
         """Triton does not restart the stub of a decoupled Python model that died: every request then
