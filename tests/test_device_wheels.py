@@ -1,4 +1,4 @@
-"""The GPU box's wheel set (scripts/lab/device_wheel_set.py, which scripts/device_wheels.sh downloads) is
+"""The GPU box's wheel set (scripts/lab/device_wheel_set.py, which scripts/lab/device_wheels.sh downloads) is
 derived from pyproject.toml: every runtime dependency a `pip install .[serve]` brings, transitively,
 is carried, on the box, or left out with its reason. (Nothing is downloaded here.)"""
 
@@ -14,7 +14,7 @@ from packaging.requirements import Requirement
 
 from llmserve.serving.testing import ROOT
 
-SCRIPT = ROOT / "scripts" / "device_wheel_set.py"
+SCRIPT = ROOT / "scripts" / "lab" / "device_wheel_set.py"
 
 
 def canonical(name: str) -> str:
@@ -49,7 +49,9 @@ def test_every_runtime_dependency_is_carried_on_the_box_or_left_out_with_a_reaso
 
 
 def test_device_wheels_sh_downloads_the_derived_set():
-    script = (ROOT / "scripts" / "device_wheels.sh").read_text()
+    script = (ROOT / "scripts" / "lab" / "device_wheels.sh").read_text()
     assert "device_wheel_set.py" in script and "PACKAGES=(" not in script
-    r = subprocess.run(["bash", "-n", str(ROOT / "scripts" / "device_wheels.sh")], capture_output=True, text=True)
+    r = subprocess.run(
+        ["bash", "-n", str(ROOT / "scripts" / "lab" / "device_wheels.sh")], capture_output=True, text=True
+    )
     assert r.returncode == 0, r.stderr

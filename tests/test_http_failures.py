@@ -1,5 +1,5 @@
 """The 5xx the HTTP front end answers itself (a bug before or during a stream, Triton unreachable) are
-counted in llmserve_request_failure_total as the engine's are (http/failures.py, issue 46.1)."""
+counted in llmserve_request_failure_total as the engine's are (serving/http_failures.py, issue 46.1)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ def test_front_end_500s_are_counted_in_the_failure_metric(tmp_path, monkeypatch)
     from fastapi.testclient import TestClient
 
     from llmserve.config import Config
-    from llmserve.http import failures
     from llmserve.http.app import create_app
+    from llmserve.serving import http_failures as failures
     from llmserve.serving.metrics import EngineMetrics
 
     class Broken:

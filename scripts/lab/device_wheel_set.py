@@ -1,4 +1,4 @@
-"""The wheels a GPU box needs, derived from pyproject.toml (scripts/device_wheels.sh downloads them; Python 3.11+).
+"""The wheels a GPU box needs, derived from pyproject.toml (scripts/lab/device_wheels.sh downloads them; Python 3.11+).
 
 The roots are what `pip install .[serve]` installs, plus pytest (scripts/device_gpu_tests.sh). Their
 closure is resolved from the installed distributions' metadata (Requires-Dist, with the extras asked
@@ -23,7 +23,7 @@ import tomllib
 from packaging.markers import default_environment
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXTRAS = ("serve",)
 ALSO = ("pytest",)  # scripts/device_gpu_tests.sh
 

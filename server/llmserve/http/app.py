@@ -32,7 +32,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmserve.config import Config
 from llmserve.engine.heap import freeze_startup_objects
-from llmserve.http import failures
 from llmserve.http.errors import ApiError, Style, error_body, error_response
 from llmserve.http.native import handle_native
 from llmserve.http.openai import handle_chat, handle_completions
@@ -40,6 +39,7 @@ from llmserve.http.server import PARENT_ENV, die_with_parent
 from llmserve.http.triton_client import Backend, TritonBackend
 from llmserve.protocol.native import NativeRequest, is_native_body, served_model_names
 from llmserve.protocol.openai import ChatCompletionRequest, CompletionRequest
+from llmserve.serving import http_failures as failures
 
 log = logging.getLogger("llmserve.http")
 

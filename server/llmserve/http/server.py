@@ -13,7 +13,7 @@ import os
 import sys
 
 from llmserve.config import Config, ConfigError
-from llmserve.http.failures import SUPERVISOR_ENV
+from llmserve.serving.http_failures import SUPERVISOR_ENV
 
 PARENT_ENV = "LLMSERVE_HTTP_PARENT_PID"
 
@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     import uvicorn
 
     os.environ[PARENT_ENV] = str(os.getpid())  # the workers inherit it: see die_with_parent
-    os.environ[SUPERVISOR_ENV] = str(os.getppid())  # whose metrics count the workers' 5xx (http/failures.py)
+    os.environ[SUPERVISOR_ENV] = str(os.getppid())  # whose metrics count the workers' 5xx (serving/http_failures.py)
     from llmserve.http.limits import LimitedHttpToolsProtocol
 
     settings = dict(

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Mapping
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from llmserve.http import failures
+from llmserve.serving import http_failures as failures
 
 
 class StreamResponse(Response):

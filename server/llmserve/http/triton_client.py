@@ -38,9 +38,9 @@ from typing import Protocol
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from llmserve.http import failures
 from llmserve.protocol import ABORT_PARAM
 from llmserve.protocol.native import error_response
+from llmserve.serving import http_failures as failures
 from llmserve.serving import intake_trace
 from llmserve.serving.grpc_channel import channel_args
 from llmserve.serving.tritonserver import MODEL_NAME
@@ -145,7 +145,7 @@ class _Mux:
             routes, self.routes = self.routes, {}
             self.abandoned.clear()
             for q in routes.values():
-                if failure[0] >= 500:  # made here: the engine never saw it fail (http/failures.py)
+                if failure[0] >= 500:  # made here: the engine never saw it fail (serving/http_failures.py)
                     failures.count(failure[0])
                 q.put_nowait(error_response(None, *failure))
 

@@ -17,7 +17,7 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from llmserve.http import failures as http_failures
+from llmserve.serving import http_failures
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -25,7 +25,7 @@ TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.
 
 class EngineMetrics:
     def __init__(self, log_dir: str | None = None) -> None:
-        # Where the HTTP front end's workers count the 5xx they answer themselves (http/failures.py);
+        # Where the HTTP front end's workers count the 5xx they answer themselves (serving/http_failures.py);
         # None: LOG_DIR, read at the first scrape.
         self.log_dir = log_dir
         self._http_seen: dict[str, int] = {}
