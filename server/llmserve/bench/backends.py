@@ -9,9 +9,8 @@ Fixed output lengths: the native protocol has no `ignore_eos`, so native and
 triton-grpc send `min_dec_len = max_dec_len`; the engine backend sets
 `ignore_eos` (and min_tokens); the OpenAI backends send `max_tokens` plus the
 vLLM extensions `min_tokens` and `ignore_eos` and report the server's `usage`.
-All backends decode greedily by default: `temperature: 0`, except native over
-HTTP, whose front end rejects it (`temperature > 0` as documented): `top_k: 1`
-there, which the engine's samplers treat as greedy (argmax).
+All backends decode greedily by default: `temperature: 0` (docs/api.md: 0 is greedy on
+every protocol).
 
 `counters()` snapshots the server's speculative decoding counters (see metrics.py):
 served backends scrape `metrics_url` (the server's Prometheus endpoint), the engine
@@ -75,7 +74,6 @@ class _Timer:
 class Backend:
     name = ""
     # Greedy in a native body: `temperature: 0` (what the engine process accepts).
-    native_greedy: dict[str, Any] = {"temperature": 0.0}
     metrics_url = ""  # the server's Prometheus metrics: speculative decoding's counters (none: not read)
 
     def __init__(self, host: str, port: int, vocab: Vocab, temperature: float = 0.0, timeout: float = 300.0) -> None:
@@ -113,7 +111,7 @@ class Backend:
     def native_body(self, req: BenchRequest, rid: str) -> dict[str, Any]:
         n = req.output_len
         body = {"req_id": rid, "input_ids": req.prompt_ids, "max_dec_len": n, "min_dec_len": n}
-        body |= {"temperature": self.temperature} if self.temperature > 0 else self.native_greedy
+        body |= {"temperature": self.temperature} if self.temperature > 0 else {"temperature": 0.0}
         return body | {"stream": True, "return_usage": True}
 
     @staticmethod
@@ -198,8 +196,6 @@ class NativeBackend(_HTTPBackend):
     """POST /v1/chat/completions with `input_ids`; NDJSON stream."""
 
     name, path = "native", "/v1/chat/completions"
-    # The HTTP front end holds the documented `temperature > 0`: greedy is `top_k: 1` there.
-    native_greedy = {"top_k": 1}
 
     def body(self, req: BenchRequest, rid: str) -> dict[str, Any]:
         return self.native_body(req, rid)
