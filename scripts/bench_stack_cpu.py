@@ -44,7 +44,7 @@ TICK_MS = 1000 / os.sysconf("SC_CLK_TCK")
 LAYERS = (
     ("llmserve.serving.engine_core", "engine_core"),
     ("engine_core", "engine_core"),
-    ("llmserve.serving.engine_server", "engine_server"),
+    ("llmserve.serving.engine_process", "engine_server"),
     ("triton_python_backend_stub", "triton_stub"),
     ("tritonserver", "tritonserver"),
     ("llmserve.http", "http"),

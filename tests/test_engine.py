@@ -180,7 +180,7 @@ def test_aborted_req_id_stays_in_flight_until_its_final_output(model_dir):
 def engine_server(demo_dir):
     """The engine server with its real core process (demo model), its ROUTER on a free port;
     the test drives its loop with `pump` (no thread)."""
-    from llmserve.serving.engine_server import start
+    from llmserve.serving.engine_process import start
     from llmserve.serving.testing import free_ports
 
     port = free_ports(1)[0]
@@ -195,7 +195,7 @@ def test_a_taken_inter_proc_port_fails_at_once_naming_the_setting(demo_dir):
     socket is refused at once, with a message naming INTER_PROC_PORT."""
     import socket
 
-    from llmserve.serving.engine_server import start
+    from llmserve.serving.engine_process import start
 
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
@@ -265,7 +265,7 @@ def test_engine_server_admits_a_burst_up_to_the_batch_and_its_queue(demo_dir):
     """A burst sent at once (its texts encoded together): the BATCH_SIZE that will run and
     MAX_CACHED_TASK_NUM more are admitted, the rest get 429 naming the setting; each admitted request's
     text is the one it gets alone (its prompt's ids are its own)."""
-    from llmserve.serving.engine_server import start
+    from llmserve.serving.engine_process import start
     from llmserve.serving.ipc import dumps
     from llmserve.serving.testing import free_ports
 

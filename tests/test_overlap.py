@@ -172,7 +172,7 @@ def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_
     import time
 
     from llmserve.offline import LLM
-    from llmserve.serving.engine_server import start
+    from llmserve.serving.engine_process import start
     from llmserve.serving.testing import free_ports
     from llmserve.utils.wire import dumps, loads
     from tests.test_engine import dealer

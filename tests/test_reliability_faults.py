@@ -106,7 +106,7 @@ def kill_under_load(stack, word: str, fail_fast_s: float) -> list[tuple]:
 
 
 def test_engine_killed_mid_load_through_http(stack):
-    results = kill_under_load(stack, "llmserve.serving.engine_server", fail_fast_s=5)
+    results = kill_under_load(stack, "llmserve.serving.engine_process", fail_fast_s=5)
     assert any(r[0] == 500 for r in results), results
     code, _, msg, secs = stream(stack, 4, "while-down", timeout=10)  # fast 503 while it restarts
     assert (code == 503 and "not ready" in msg and secs < 2) or code == 0, (code, msg, secs)

@@ -113,7 +113,7 @@ def test_every_listening_port_is_a_setting_bound_to_its_address(stack):
         stack.ports["SERVICE_GRPC_PORT"]: "tritonserver",
         stack.ports["TRITON_METRICS_PORT"]: "tritonserver",
         stack.ports["SERVICE_HTTP_PORT"]: "llmserve.http",
-        inter: "llmserve.serving.engine_server",
+        inter: "llmserve.serving.engine_process",
     }
     socks = listening_sockets(stack.supervisor_pid)
     seen = {}
@@ -125,7 +125,7 @@ def test_every_listening_port_is_a_setting_bound_to_its_address(stack):
             assert expected[port] in cmd, (port, cmd)
             seen[port] = cmd
         else:  # only the engine server's link to its own core process, on a port the OS picked
-            assert "llmserve.serving.engine_server" in cmd, (addr, port, cmd)
+            assert "llmserve.serving.engine_process" in cmd, (addr, port, cmd)
             core_links.append(port)
     assert set(seen) == set(expected), f"not listening: {set(expected) - set(seen)}"
     assert len(core_links) == 1, socks

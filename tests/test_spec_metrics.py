@@ -262,7 +262,7 @@ def test_engine_server_stats_carry_spec_deltas(tiny_hf_dir):
     the counters of the same request run in-process, and are reset after each message."""
     from llmserve.protocol import native
     from llmserve.serving.compose import build_engine
-    from llmserve.serving.engine_server import start
+    from llmserve.serving.engine_process import start
     from llmserve.serving.testing import free_ports
     from llmserve.utils.wire import dumps, loads
     from tests.test_engine import dealer

@@ -266,7 +266,7 @@ def test_engine_sends_one_message_per_step_for_all_requests(stack):
 
 
 def test_hung_engine_turns_ready_off_and_fails_in_flight(stack, client):
-    engine = stack.child_pid("llmserve.serving.engine_server")
+    engine = stack.child_pid("llmserve.serving.engine_process")
     os.kill(engine, signal.SIGSTOP)
     try:
         t0 = time.monotonic()
@@ -280,7 +280,7 @@ def test_hung_engine_turns_ready_off_and_fails_in_flight(stack, client):
     finally:
         os.kill(engine, signal.SIGCONT)
     stack.wait_ready(30)
-    assert stack.child_pid("llmserve.serving.engine_server") == engine  # it recovered: no restart
+    assert stack.child_pid("llmserve.serving.engine_process") == engine  # it recovered: no restart
 
 
 def test_requests_failed_on_a_hung_engine_are_aborted_when_it_resumes(stack, client):
@@ -294,7 +294,7 @@ def test_requests_failed_on_a_hung_engine_are_aborted_when_it_resumes(stack, cli
     deadline = time.monotonic() + 10
     while stack.metrics()["llmserve_kv_blocks_used"] == 0 and time.monotonic() < deadline:
         time.sleep(0.1)  # the gauges are at most 0.5 s old: let them show the blocks held
-    engine = stack.child_pid("llmserve.serving.engine_server")
+    engine = stack.child_pid("llmserve.serving.engine_process")
     os.kill(engine, signal.SIGSTOP)
     try:
         for q in queues:  # within CHECK_HEALTH_INTERVAL (5 s)
@@ -312,7 +312,7 @@ def test_requests_failed_on_a_hung_engine_are_aborted_when_it_resumes(stack, cli
         time.sleep(0.2)
     time.sleep(0.6)  # one more stats heartbeat
     after = stack.metrics()
-    assert stack.child_pid("llmserve.serving.engine_server") == engine  # resumed, not restarted
+    assert stack.child_pid("llmserve.serving.engine_process") == engine  # resumed, not restarted
     assert after["llmserve_kv_blocks_used"] == 0 and after["llmserve_requests_running"] == 0
 
     def delta(prefix: str) -> float:
@@ -388,7 +388,7 @@ def test_engine_kill_fails_in_flight_and_restarts(stack, client):
         client.submit({"text": p, "max_dec_len": MAX_DEC_LEN, "min_dec_len": MAX_DEC_LEN}) for p in random_prompts(4)
     ]
     assert all(q.get(timeout=30)["error_code"] == 0 for q in queues)  # all running
-    os.kill(stack.child_pid("llmserve.serving.engine_server"), signal.SIGKILL)
+    os.kill(stack.child_pid("llmserve.serving.engine_process"), signal.SIGKILL)
     t0 = time.monotonic()
     for q in queues:
         msgs = collect(q, timeout=10)

@@ -24,14 +24,14 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable, Sequence
-from datetime import datetime
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import jinja2
 import jinja2.ext
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from llmserve.engine.chat_template import ChatTemplateError, check_messages, compile_chat_template
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|endoftext|>", "<end_of_turn>", "<|end|>")
 EXPECTED_FILES = "tokenizer.json (HF tokenizers) or a SentencePiece model (tokenizer.model or *.model)"
@@ -40,10 +40,6 @@ _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 class TokenizerNotFoundError(FileNotFoundError):
     """The model directory holds no tokenizer we can load."""
-
-
-class ChatTemplateError(ValueError):
-    """No chat template, malformed messages, or the template refused them (HTTP 400)."""
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -198,40 +194,6 @@ def _token_str(value: Any) -> str | None:
     return value if isinstance(value, str) else None
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None, sort_keys=False) -> str:
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile in a sandbox with the globals HF templates use (raise_exception, strftime_now, tojson)."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateError as e:
-        raise ChatTemplateError(f"chat template does not compile: {e}") from e
-
-
-def _check_messages(messages: Any) -> None:
-    if not isinstance(messages, list) or not messages:
-        raise ChatTemplateError("messages must be a non-empty list of {'role': str, 'content': str} objects")
-    for k, m in enumerate(messages):
-        if not isinstance(m, dict):
-            raise ChatTemplateError(
-                f"messages[{k}] must be an object with 'role' and 'content', got {type(m).__name__}"
-            )
-        if not isinstance(m.get("role"), str):
-            raise ChatTemplateError(f"messages[{k}].role must be a string, got {m.get('role')!r}")
-        if not isinstance(m.get("content"), str):
-            raise ChatTemplateError(f"messages[{k}].content must be a string, got {type(m.get('content')).__name__}")
-
-
 class Tokenizer:
     """What the engine and the protocol layers need from a tokenizer."""
 
@@ -325,7 +287,7 @@ class Tokenizer:
             raise ChatTemplateError(
                 f"{self.name or 'this model'} has no chat template; send a plain text prompt instead"
             )
-        _check_messages(messages)
+        check_messages(messages)
         try:
             return self._template.render(
                 messages=messages, add_generation_prompt=add_generation_prompt, **self._template_vars, **kwargs
