@@ -205,3 +205,25 @@ def test_bad_requests_name_the_field(client, body, param):
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="default", extra_body=body)
     assert e.value.status_code == 400 and e.value.body["param"] == param, e.value.body
+
+
+def test_the_store_is_bounded_and_expires(monkeypatch):
+    """No stack: the per-worker store drops the oldest past its count or size, and what outlived its TTL."""
+    from llmserve.http import responses_store
+    from llmserve.http.responses_store import ResponseStore
+
+    now = [1000.0]
+    monkeypatch.setattr(responses_store.time, "monotonic", lambda: now[0])
+    store = ResponseStore(ttl_s=60, max_responses=3, max_chars=10_000)
+    for k in range(4):
+        store.put(f"r{k}", [{"role": "user", "content": str(k)}], {"id": f"r{k}"})
+        now[0] += 10
+    assert store.get("r0") is None and [store.get(f"r{k}").response["id"] for k in (1, 2, 3)] == ["r1", "r2", "r3"]
+    store.put("big", [{"role": "user", "content": "x" * 9_950}], {"id": "big"})  # the others no longer fit
+    assert len(store) == 1 and store.get("big") is not None
+    store.put("huge", [{"role": "user", "content": "x" * 20_000}], {"id": "huge"})  # over the whole store
+    assert store.get("huge") is None
+    now[0] += 61
+    assert store.get("big") is None and len(store) == 0
+    store.put("a", [], {"id": "a"})
+    assert store.delete("a") and not store.delete("a")

@@ -41,6 +41,7 @@ from llmserve.http.server import PARENT_ENV, die_with_parent
 from llmserve.http.triton_client import Backend, TritonBackend
 from llmserve.protocol.native import NativeRequest, is_native_body, served_model_names
 from llmserve.protocol.openai import ChatCompletionRequest, CompletionRequest
+from llmserve.protocol.responses_api import ResponsesRequest
 
 log = logging.getLogger("llmserve.http")
 
@@ -252,7 +253,10 @@ def create_app(
 
         return await guarded("openai", request, run)
 
-    @app.post("/v1/responses", tags=["openai"], summary="OpenAI Responses API (create)")
+    responses_ok = {"application/json": "a Response (stream: false)", "text/event-stream": "Responses events"}
+    responses_doc = _body_doc(_schema_ref("ResponsesRequest"), responses_ok)
+
+    @app.post("/v1/responses", tags=["openai"], openapi_extra=responses_doc, summary="OpenAI Responses API (create)")
     @app.post(SHARED_PATH + "/responses", include_in_schema=False)
     async def responses(request: Request) -> Response:
         async def run():
@@ -316,7 +320,7 @@ def create_app(
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (NativeRequest, CompletionRequest, ChatCompletionRequest):
+            for model in (NativeRequest, CompletionRequest, ChatCompletionRequest, ResponsesRequest):
                 s = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(s.pop("$defs", {}))
                 comps[model.__name__] = s

@@ -208,7 +208,7 @@ class ResponsesRequest(StrictModel):
             body["tool_choice"] = {"type": "function", "function": {"name": self.tool_choice.name}}
         elif self.tool_choice is not None:
             body["tool_choice"] = self.tool_choice
-        if self.parallel_tool_calls is not None and self.tools:
+        if self.parallel_tool_calls is not None:  # chat's rules for it apply (and name it)
             body["parallel_tool_calls"] = self.parallel_tool_calls
         fmt = self.text.format if self.text else None
         if fmt is not None and fmt.type == "json_schema":
