@@ -106,6 +106,18 @@ def test_stream_has_the_responses_event_sequence(client):
     assert [e.type for e in raw][0] == "response.created"
 
 
+def test_logprobs_streamed_and_whole(client):
+    kw = {"model": "default", "input": PROMPT, "max_output_tokens": 8, "temperature": 0, "top_logprobs": 2}
+    whole = client.responses.create(**kw, include=["message.output_text.logprobs"])
+    lps = whole.output[0].content[0].logprobs
+    assert len(lps) == whole.usage.output_tokens and all(len(t.top_logprobs) == 2 for t in lps)
+    assert all(t.logprob <= 0 and t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob for t in lps)
+    assert all(t.top_logprobs[0].token == t.token for t in lps)  # greedy: the chosen token is the top one
+    events = list(client.responses.create(**kw, stream=True))
+    streamed = [t for e in events if e.type == "response.output_text.delta" for t in e.logprobs]
+    assert [(t.token, t.logprob) for t in streamed] == [(t.token, t.logprob) for t in lps]
+
+
 def test_function_tools_and_call_outputs(client):
     tools = [TOOL, {"type": "function", "name": "now", "parameters": {"type": "object", "properties": {}}}]
     ask = [{"role": "user", "content": "weather in Oslo?"}]
@@ -227,3 +239,55 @@ def test_the_store_is_bounded_and_expires(monkeypatch):
     assert store.get("big") is None and len(store) == 0
     store.put("a", [], {"id": "a"})
     assert store.delete("a") and not store.delete("a")
+
+
+@pytest.fixture(scope="module")
+def thinking_stack(tmp_path_factory):
+    """Two HTTP workers and REASONING_PARSER=deepseek_r1 (the demo never closes </think>: all its
+    output is reasoning)."""
+    s = http_stack(tmp_path_factory.mktemp("responses2"), PUSH_MODE_HTTP_WORKERS=2, API_KEY="", MAX_DEC_LEN=64,
+                   REASONING_PARSER="deepseek_r1")  # fmt: skip
+    s.start()
+    yield s
+    assert s.stop().returncode == 0
+
+
+def test_reasoning_items(thinking_stack):
+    client = openai.Client(base_url=thinking_stack.http_base + "/v1", api_key="x", max_retries=0)
+    kw = {"model": "default", "input": PROMPT, "max_output_tokens": 8, "temperature": 0}
+    chat = (
+        client.chat.completions.create(
+            model="default", messages=[{"role": "user", "content": PROMPT}], max_tokens=8, temperature=0
+        )
+        .choices[0]
+        .message
+    )
+    whole = client.responses.create(**kw)
+    assert [o.type for o in whole.output] == ["reasoning"] and not chat.content
+    assert whole.output[0].content[0].text == chat.reasoning_content
+    events = list(client.responses.create(**kw, stream=True))
+    kinds = [e.type for e in events]
+    assert "response.reasoning_text.delta" in kinds and "response.output_text.delta" not in kinds, kinds
+    text = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert text == chat.reasoning_content and events[-1].response.output[0].content[0].text == text
+
+
+def test_previous_response_id_with_two_workers(thinking_stack):
+    """Each follow-up (on a new connection: the kernel spreads connections over the workers) is
+    served when its worker made the first response, else refused naming previous_response_id."""
+    outcomes = []
+    for _ in range(8):
+        first = openai.Client(base_url=thinking_stack.http_base + "/v1", api_key="x", max_retries=0).responses.create(
+            model="default", input="x = 1", max_output_tokens=2, temperature=0
+        )
+        client = openai.Client(base_url=thinking_stack.http_base + "/v1", api_key="x", max_retries=0)
+        try:
+            then = client.responses.create(
+                model="default", previous_response_id=first.id, input="y", max_output_tokens=2, temperature=0
+            )
+            assert then.previous_response_id == first.id and then.usage.input_tokens > first.usage.input_tokens
+            outcomes.append("served")
+        except openai.BadRequestError as e:
+            assert e.body["param"] == "previous_response_id" and "several HTTP workers" in e.body["message"]
+            outcomes.append("refused")
+    print("follow-ups over two workers:", outcomes)

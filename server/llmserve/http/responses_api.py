@@ -115,7 +115,7 @@ class _Reply:
         if message.get("reasoning_content"):
             out.append(_reasoning("rs_" + _hex(), message["reasoning_content"], True))
         calls = message.get("tool_calls") or []
-        if message.get("content") or not calls:
+        if message.get("content") or not (calls or out):  # an empty message only when nothing else came
             entries = (logprobs or {}).get("content")
             out.append(_message("msg_" + _hex(), message.get("content") or "", entries, "completed"))
         out += [_function_call(c, c["function"]["arguments"], "completed") for c in calls]
