@@ -211,6 +211,15 @@ def test_parse_with_a_json_schema(client):
         ({"input": "x", "background": True}, "background"),
         ({"input": "x", "truncation": "auto"}, "truncation"),
         ({"input": ""}, "input"),
+        ({"input": "x", "text": {"format": {"type": "json_schema", "name": "a"}}}, "text.format.schema"),
+        (
+            {"input": "x", "text": {"format": {"type": "json_schema", "name": "a", "schema": {"type": "bogus"}}}},
+            "text.format",
+        ),  # fmt: skip
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+            "input[0].content[0].type",
+        ),
     ],
 )
 def test_bad_requests_name_the_field(client, body, param):

@@ -48,6 +48,18 @@ class MessageItem(StrictModel):
     def text(self) -> str:
         return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        for k, part in enumerate(v if isinstance(v, list) else []):
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in ("input_text", "output_text", "text"):
+                raise OpenAIValidationError(
+                    f"content[{k}].type: {kind!r}: only text parts (input_text, output_text) are served here",
+                    f"content[{k}].type",
+                )
+        return v
+
 
 class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
@@ -183,6 +195,9 @@ class ResponsesRequest(StrictModel):
             raise OpenAIValidationError(
                 "reasoning: not configurable per request here (REASONING_PARSER sets it server-wide)", "reasoning"
             )
+        fmt = self.text.format if self.text else None
+        if fmt is not None and fmt.type == "json_schema" and fmt.schema_ is None:
+            raise OpenAIValidationError("text.format.schema: needed with type json_schema", "text.format.schema")
         for name in ("max_tool_calls", "conversation", "prompt"):
             if getattr(self, name) is not None:
                 raise OpenAIValidationError(f"{name}: is not supported by this server", name)
@@ -212,8 +227,6 @@ class ResponsesRequest(StrictModel):
             body["parallel_tool_calls"] = self.parallel_tool_calls
         fmt = self.text.format if self.text else None
         if fmt is not None and fmt.type == "json_schema":
-            if fmt.schema_ is None:
-                raise OpenAIValidationError("text.format.schema: needed with type json_schema", "text.format.schema")
             spec = {"name": fmt.name or "response", "schema": fmt.schema_}
             if fmt.strict is not None:
                 spec["strict"] = fmt.strict
