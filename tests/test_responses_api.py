@@ -158,6 +158,9 @@ def test_function_tools_and_call_outputs(client):
         model="default", previous_response_id=r.id, input=out, max_output_tokens=8, temperature=0
     )
     assert r3.output_text == r2.output_text and r3.previous_response_id == r.id
+    # ... and the SDK's way of keeping the context by hand: the output items sent back as they came.
+    r4 = client.responses.create(model="default", input=[*ask, *r.output, *out], max_output_tokens=8, temperature=0)
+    assert r4.output_text == r2.output_text
 
 
 def test_previous_response_id_retrieve_and_delete(client):
