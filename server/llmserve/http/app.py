@@ -5,10 +5,11 @@ Routes
   POST /v1/completions        OpenAI completions
   GET  /v1/models             OpenAI model list
   GET  /v1/models/{model}     one model, for any name `model` may take
+  POST /v1/responses          OpenAI Responses API; GET / DELETE /v1/responses/{id} (http/responses_api.py)
   GET  /health, /v2/health/live, /v2/health/ready   no auth
 The same OpenAI routes also live under /v1/chat/completions/ (the seeds'
 `base_url`, to which the openai client appends `completions`,
-`chat/completions` and `models`).
+`chat/completions`, `models` and `responses`).
 
 A pure-ASGI door in front of everything checks `API_KEY` and caps the body
 size before any JSON is parsed. Every request goes to Triton over gRPC.
@@ -35,10 +36,13 @@ from llmserve.engine.heap import freeze_startup_objects
 from llmserve.http.errors import ApiError, Style, error_body, error_response
 from llmserve.http.native import handle_native
 from llmserve.http.openai import handle_chat, handle_completions
+from llmserve.http.responses_api import handle_responses
+from llmserve.http.responses_store import ResponseStore
 from llmserve.http.server import PARENT_ENV, die_with_parent
 from llmserve.http.triton_client import Backend, TritonBackend
 from llmserve.protocol.native import NativeRequest, is_native_body, served_model_names
 from llmserve.protocol.openai import ChatCompletionRequest, CompletionRequest
+from llmserve.protocol.responses_api import ResponsesRequest
 from llmserve.serving import http_failures as failures
 
 log = logging.getLogger("llmserve.http")
@@ -188,6 +192,7 @@ def create_app(
         die_with_parent()
         failures.setup(cfg.log_dir)
         app.state.backend = make_backend(cfg)  # gRPC aio channels belong to this worker's loop
+        app.state.responses = ResponseStore()  # this worker's kept responses (previous_response_id)
         if os.environ.get(PARENT_ENV):  # served (not an app a test built): a full collection would
             freeze_startup_objects()  # stall every stream of this worker
         yield
@@ -263,6 +268,43 @@ def create_app(
 
         return await guarded("openai", request, run)
 
+    responses_ok = {"application/json": "a Response (stream: false)", "text/event-stream": "Responses events"}
+    responses_doc = _body_doc(_schema_ref("ResponsesRequest"), responses_ok)
+
+    @app.post("/v1/responses", tags=["openai"], openapi_extra=responses_doc, summary="OpenAI Responses API (create)")
+    @app.post(SHARED_PATH + "/responses", include_in_schema=False)
+    async def responses(request: Request) -> Response:
+        async def run():
+            body = (await _json_body(request))[0]
+            return await handle_responses(request, body, backend(request), cfg, request.app.state.responses)
+
+        return await guarded("openai", request, run)
+
+    def kept_response(request: Request, response_id: str) -> dict:
+        kept = request.app.state.responses.get(response_id)
+        if kept is None:
+            msg = f"no response {response_id!r} is kept by this HTTP worker (see previous_response_id in docs/api.md)"
+            raise ApiError(404, msg, "response_id")
+        return kept.response
+
+    @app.get("/v1/responses/{response_id}", tags=["openai"], summary="A kept response")
+    @app.get(SHARED_PATH + "/responses/{response_id}", include_in_schema=False)
+    async def get_response(request: Request, response_id: str) -> Response:
+        async def run():
+            return JSONResponse(kept_response(request, response_id))
+
+        return await guarded("openai", request, run)
+
+    @app.delete("/v1/responses/{response_id}", tags=["openai"], summary="Forget a kept response")
+    @app.delete(SHARED_PATH + "/responses/{response_id}", include_in_schema=False)
+    async def delete_response(request: Request, response_id: str) -> Response:
+        async def run():
+            kept_response(request, response_id)
+            request.app.state.responses.delete(response_id)
+            return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
+
+        return await guarded("openai", request, run)
+
     # ---- the shared route: native or OpenAI chat -------------------------------------------
     shared_ok = openai_ok | {"application/x-ndjson": "native stream: one JSON object per line"}
     shared_schema = {"oneOf": [_schema_ref("NativeRequest"), _schema_ref("ChatCompletionRequest")]}
@@ -293,7 +335,7 @@ def create_app(
         if app.openapi_schema is None:
             schema = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
             comps = schema.setdefault("components", {}).setdefault("schemas", {})
-            for model in (NativeRequest, CompletionRequest, ChatCompletionRequest):
+            for model in (NativeRequest, CompletionRequest, ChatCompletionRequest, ResponsesRequest):
                 s = model.model_json_schema(ref_template="#/components/schemas/{model}")
                 comps.update(s.pop("$defs", {}))
                 comps[model.__name__] = s
@@ -306,6 +348,8 @@ def create_app(
         SHARED_PATH + "/chat/completions": chat_alt,
         SHARED_PATH + "/completions": completions,
         "/v1/completions": completions,
+        "/v1/responses": responses,
+        SHARED_PATH + "/responses": responses,
     }
     app.add_middleware(FrontDoor, api_key=cfg.api_key, max_body_bytes=max_body_bytes, routes=routes)
     return app
