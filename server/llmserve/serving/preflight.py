@@ -51,7 +51,7 @@ def _cuda_here(cfg: Config) -> bool:
 
 
 def runner_kind(cfg: Config) -> str | None:
-    """The runner the engine will pick (engine/loader.py's rule), None when the directory decides and
+    """The runner the engine will pick (serving/compose.py's rule), None when the directory decides and
     cannot be read yet (the loader names what is wrong with it)."""
     if cfg.runner != "auto":
         return cfg.runner
