@@ -8,7 +8,6 @@ different token.
 from __future__ import annotations
 
 import dataclasses
-import json
 import random
 import time
 
@@ -247,11 +246,11 @@ def test_engine_server_cancel_then_same_req_id(engine_server):
     body = {"input_ids": [1, 2, 3], "req_id": "x", "max_dec_len": 100, "min_dec_len": 100}
     items: list = []
     try:
-        client.send(dumps({"op": "add", "body": json.dumps(body)}))
+        client.send(dumps({"op": "add", "body": body}))
         pump(server, lambda: received(client, items))
         client.send(dumps({"op": "abort", "req_id": "x"}))
         new = body | {"max_dec_len": 5, "min_dec_len": 5, "return_usage": True}
-        client.send(dumps({"op": "add", "body": json.dumps(new)}))
+        client.send(dumps({"op": "add", "body": new}))
         pump(server, lambda: any(i["is_end"] for i in received(client, items)))
         pump(server, lambda: server.kv[2] == 0 and not server.live)  # the core reports its blocks free
         finals = [i for i in items if i["is_end"]]
@@ -277,7 +276,7 @@ def test_engine_server_admits_a_burst_up_to_the_batch_and_its_queue(demo_dir):
     items: list = []
     try:
         for i, p in enumerate(prompts + ["z = 1\n", "print(", "# a", "y"]):  # 4 + 2 fit, 4 more
-            client.send(dumps({"op": "add", "body": json.dumps(body | {"text": p, "req_id": f"b{i}"})}))
+            client.send(dumps({"op": "add", "body": body | {"text": p, "req_id": f"b{i}"}}))
         pump(server, lambda: sum(i["is_end"] for i in received(client, items)) == len(prompts) + 4)
         ends = {i["req_id"]: i for i in items if i["is_end"]}
         rejected = [r for r, i in ends.items() if i["error_code"] == 429]
@@ -287,7 +286,7 @@ def test_engine_server_admits_a_burst_up_to_the_batch_and_its_queue(demo_dir):
         burst = {r: "".join(i.get("result", "") for i in items if i["req_id"] == r) for r in ends if r not in rejected}
         for i, p in enumerate(prompts):  # alone, one after another
             alone: list = []
-            client.send(dumps({"op": "add", "body": json.dumps(body | {"text": p, "req_id": f"a{i}"})}))
+            client.send(dumps({"op": "add", "body": body | {"text": p, "req_id": f"a{i}"}}))
             pump(server, lambda alone=alone: any(i["is_end"] for i in received(client, alone)))
             assert "".join(i.get("result", "") for i in alone) == burst[f"b{i}"], p
     finally:
@@ -313,7 +312,7 @@ def test_engine_server_admits_a_burst_a_slice_at_a_time(engine_server, monkeypat
     try:
         for i in range(n):
             body = {"input_ids": [1 + i % 7, 2, 3], "req_id": f"s{i}", "max_dec_len": 2, "min_dec_len": 2}
-            client.send(dumps({"op": "add", "body": json.dumps(body)}))
+            client.send(dumps({"op": "add", "body": body}))
         time.sleep(0.2)  # all of them queued at the ROUTER: one round takes them together
         pump(server, lambda: sum(i["is_end"] for i in received(client, items)) == n)
         sizes = [size for size, _ in calls]
@@ -336,9 +335,9 @@ def test_engine_server_aborts_the_requests_of_a_client_that_is_gone(engine_serve
     body = {"input_ids": [1, 2, 3], "max_dec_len": 200, "min_dec_len": 200}
     items: list = []
     try:
-        old.send(dumps({"op": "add", "body": json.dumps(body | {"req_id": "o1"})}))
-        old.send(dumps({"op": "add", "body": json.dumps(body | {"req_id": "o2"})}))
-        new.send(dumps({"op": "add", "body": json.dumps(body | {"req_id": "n1"})}))
+        old.send(dumps({"op": "add", "body": body | {"req_id": "o1"}}))
+        old.send(dumps({"op": "add", "body": body | {"req_id": "o2"}}))
+        new.send(dumps({"op": "add", "body": body | {"req_id": "n1"}}))
         pump(server, lambda: set(server.live) == {"o1", "o2", "n1"} and server.kv[2] > 0)
         assert not server.gone
         old.close(0)  # the process died: its connection closes

@@ -168,7 +168,6 @@ def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_
     """The served path (engine server + core process, overlapped torch runner): a stop string ends the
     request at the token that completes it and max_dec_len at its length; nothing from the step that
     was already in flight leaks into the output, the usage or the text."""
-    import json
     import time
 
     from llmserve.offline import LLM
@@ -203,7 +202,7 @@ def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_
     try:
         for i, (p, stop, _, _) in enumerate(cases):
             body = {"text": p, "req_id": f"s{i}", "max_dec_len": 24, "top_k": 1, "stop": stop, "return_usage": True}
-            client.send(dumps({"op": "add", "req_id": f"s{i}", "body": json.dumps(body | {"eos_token_ids": []})}))
+            client.send(dumps({"op": "add", "req_id": f"s{i}", "body": body | {"eos_token_ids": []}}))
         body = {
             "text": prompts[0],
             "req_id": "len",
@@ -212,7 +211,7 @@ def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_
             "top_k": 1,
             "return_usage": True,
         }
-        client.send(dumps({"op": "add", "req_id": "len", "body": json.dumps(body)}))
+        client.send(dumps({"op": "add", "req_id": "len", "body": body}))
         items: list[dict] = []
         deadline = time.monotonic() + 120
         while sum(i["is_end"] for i in items) < len(cases) + 1:

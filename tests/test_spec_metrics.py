@@ -279,7 +279,7 @@ def test_engine_server_stats_carry_spec_deltas(tiny_hf_dir):
     stats: list[dict] = []
     try:
         monitor.send(dumps({"op": "hello", "role": "monitor"}))
-        client.send(dumps({"op": "add", "req_id": "r", "body": json.dumps(body)}))
+        client.send(dumps({"op": "add", "req_id": "r", "body": body}))
         deadline = time.monotonic() + 60
         done_at = None
         while done_at is None or time.monotonic() < done_at + 1.2:  # then 2 more heartbeats

@@ -495,7 +495,7 @@ def _engine_alone(port: int, body: dict, timeout: float = 120) -> list[int]:
             link.monitor.poll(100)
             link.events()
         body = {**body, "req_id": f"ref-{uuid.uuid4()}"}
-        assert link.send({"op": "add", "req_id": body["req_id"], "body": json.dumps(body)})
+        assert link.send({"op": "add", "req_id": body["req_id"], "body": body})
         ids, deadline = [], time.monotonic() + timeout
         while time.monotonic() < deadline:
             if link.sock.poll(500):

@@ -1,15 +1,13 @@
 """The wire between the engine process and its clients (Triton adapter, supervisor).
 
 The engine process binds a ZMQ ROUTER on 127.0.0.1:INTER_PROC_PORT; each
-client connects a DEALER. Messages are JSON objects with an `op`:
-
-Messages are msgpack maps with an `op` (binary, compact; no JSON on the hot path):
+client connects a DEALER. Messages are msgpack maps with an `op` (binary, compact; no JSON on the hot path):
 
 client -> engine
   {"op": "hello", "role": "adapter" | "monitor"}    sent on every (re)connect
-  {"op": "add", "req_id": str, "body": str}
-                                   the native request as JSON text, its "req_id" set
-                                   (parsed once, by the engine's admission; the req_id
+  {"op": "add", "req_id": str, "body": {...}}
+                                   the native request as a map, its "req_id" set
+                                   (validated once, by the engine's admission; the req_id
                                    beside it names the error of a body that does not parse)
   {"op": "abort", "req_id": str}
 engine -> client

@@ -176,9 +176,10 @@ class TritonPythonModel:
                 req_id = str(body.get("req_id") or req_id or uuid.uuid4())
                 body["req_id"] = req_id
                 intake_trace.mark("adapter", req_id)
-                # JSON text (ASCII: a lone surrogate survives it): the engine parses and validates it
-                # once. The req_id beside it lets the engine route a rejection without parsing.
-                msg = dumps({"op": "add", "req_id": req_id, "body": json.dumps(body)})
+                # The body as a msgpack map (no JSON text inside the message): the engine validates it once,
+                # where the model's limits are known. The req_id beside it routes a rejection. A lone
+                # surrogate cannot be UTF-8: msgpack refuses it here, answered as a 400 below.
+                msg = dumps({"op": "add", "req_id": req_id, "body": body})
             except Exception as e:
                 self._respond(sender, error_response(req_id, 400, f"IN must hold one JSON object: {e}"), final=True)
                 continue
