@@ -305,8 +305,7 @@ class LLMEngine:
         self.scheduler.update(sched)
         done = time.perf_counter()
         self._output_time += done - t2
-        decoding = all(c.num_tokens == c.num_sampled_rows for c in sched.chunks)
-        self.spec.measure(launch, decoding, sum(len(t) for t in result.token_ids), done)
+        self.spec.measure(launch, result.token_ids, done)
         return outputs
 
     def _append(self, req: Request, tokens: list[int], lps: list | None, now: float) -> RequestOutput:

@@ -97,14 +97,16 @@ class SpecStage:
         if verified:
             self.stats.record(verified)
 
-    def measure(self, launch, decoding: bool, tokens: int, done: float) -> None:
-        """Tell the rule what the step taken in at `done` cost (`launch`: the engine's _Launch)."""
+    def measure(self, launch, token_ids: list[list[int]], done: float) -> None:
+        """Tell the rule what the step taken in at `done` cost (`launch`: the engine's _Launch; `token_ids`:
+        its result's tokens)."""
         if self.on:
-            if decoding:
+            if all(c.num_tokens == c.num_sampled_rows for c in launch.sched.chunks):  # decoding
                 # Launched after its predecessor was taken in (the first after a serial step), it ran
                 # with nothing to overlap: a refill.
                 refill = not launch.serial and launch.t_launch > self._last_done
                 period = done - (self._last_done or launch.t_launch)
+                tokens = sum(len(t) for t in token_ids)
                 self._meter.step(
                     self.rule, launch.batch, launch.k, period, tokens, launch.serial, launch.for_spec, refill
                 )
