@@ -1,7 +1,8 @@
 """TorchRunner: HF Llama/Qwen2 safetensors on CUDA (bf16) or CPU (fp32).
 
 Owns the weights, the paged KV cache (`[layers, 2, blocks, KVH, block_size, D]`),
-the device sampler and the decode CUDA graphs. One `execute` = one packed
+the device sampler, the decode CUDA graphs and SPECULATE_METHOD's head proposer, if
+it has one (head_proposer.py: called at fixed points of the step). One `execute` = one packed
 mixed batch: inputs uploaded in one copy, one forward, logits of the sampled
 rows only, sampling on the device, one device-to-host copy of the tokens.
 A step with prompt-logprob chunks (base.py) also takes logits of their prompt
@@ -29,8 +30,8 @@ from llmserve.layers.quant.methods import method_for
 from llmserve.layers.sampler import DeviceSampler
 from llmserve.models.llama import DecoderModel
 from llmserve.runners.torch.cuda_graphs import DecodeGraphs, VerifyPack, decode_splits
+from llmserve.runners.torch.head_proposer import HeadProposer, TargetStep, build_head
 from llmserve.runners.torch.inputs import StepInputs, Uploader, host_arrays, work_items
-from llmserve.runners.torch.mtp import MTPHead
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +102,8 @@ class TorchRunner(ModelRunner):
             time.perf_counter() - t0,
         )
         self.uploader = Uploader(self.device)
-        # SPECULATE_METHOD=mtp: the checkpoint's MTP module; its K/V are one more layer of the cache.
-        self.mtp = None
-        if config.speculate_method == "mtp":
-            self.mtp = MTPHead(self.model, model_dir, config, self.uploader.upload)
+        # A head proposer (mtp): built before the KV cache, which holds its layers, and the graphs.
+        self.head: HeadProposer | None = build_head(self, model_dir, config)
         self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last_rows: dict[str, int] = {}
         # Prompt tokens of one request per step: a CPU step over 2048 tokens deep in a long prompt
@@ -133,14 +132,14 @@ class TorchRunner(ModelRunner):
             drafts = config.speculate_max_draft_tokens if config.speculate_method != "none" else 0
             self.graphs = DecodeGraphs(
                 self.model, self.kv_cache, min(self.max_batch, 512), self.max_blocks_per_seq, self.num_sms, drafts,
-                self.mtp,
+                self.head,
             )  # fmt: skip
             self.graphs.capture()
 
     # ---- KV cache sizing ------------------------------------------------------
     @property
     def _kv_layers(self) -> int:
-        return self.model_config.num_hidden_layers + (self.mtp is not None)
+        return self.model_config.num_hidden_layers + (self.head.kv_layers if self.head is not None else 0)
 
     def _block_bytes(self) -> int:
         return self.kv_spec.block_bytes
@@ -321,8 +320,8 @@ class TorchRunner(ModelRunner):
         next step's PENDING inputs and are copied back asynchronously for `result`."""
         if batch.finished_req_ids:
             self.sampler.drop(batch.finished_req_ids)
-            if self.mtp is not None:
-                self.mtp.drop(batch.finished_req_ids)
+            if self.head is not None:
+                self.head.drop(batch.finished_req_ids)
         self._t_start = None
         logits, hidden, x, layout, a = self._forward(batch)
         plp = None
@@ -345,16 +344,10 @@ class TorchRunner(ModelRunner):
         else:
             tokens, lps = logits.new_zeros(0, dtype=torch.long), None
         self._last_tokens, self._last_rows = tokens, {r.req_id: i for i, r in enumerate(reqs)}
-        if self.mtp is not None and not batch.proposer_state:  # no proposals next step: skip the module
-            self.mtp.drop([r.req_id for r in reqs])  # their kept outputs are now stale
-        elif self.mtp is not None:  # the MTP module's K/V at this step's positions (mtp.py)
-            kv = self.kv_cache.layer(self.model_config.num_hidden_layers)
-            run = None
-            if x is None:  # a replayed graph: its inputs, and the module's own graph when captured
-                x = self.graphs.inputs()
-                run = self.graphs.replay_mtp if self.graphs.mtp_graphs else None
-            a = a if a is not None else host_arrays(batch.chunks, self.block_size)  # (after the launch)
-            self.mtp.extend(batch.chunks, a, hidden, x, layout, tokens, num_new_dev if rows else None, kv, run)
+        if self.head is not None and not batch.proposer_state:  # no proposals next step: skip the head
+            self.head.drop([r.req_id for r in reqs])  # what it kept for them is now stale
+        elif self.head is not None:
+            self.head.after_step(self._target_step(batch, hidden, x, layout, a, tokens, num_new_dev))
         host = self._to_host(tokens)
         if plp is not None:  # copied with the tokens: result() must not wait on the next step's work
             plp = (plp[0], tuple(self._to_host(t) for t in plp[1]))
@@ -363,6 +356,15 @@ class TorchRunner(ModelRunner):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
         return _Launched(host, tokens, lps, self._t_start, end, plp, rows, num_new)
+
+    def _target_step(self, batch: StepBatch, hidden, x, layout, a, tokens, num_new) -> TargetStep:
+        """The step as the head proposer sees it (head_proposer.py), after its launch."""
+        g = key = None
+        if x is None:  # a replayed graph: its inputs, in its padded layout
+            g, key = self.graphs, self.graphs.last_key
+            x = g.inputs()
+        a = a if a is not None else host_arrays(batch.chunks, self.block_size)  # (after the launch)
+        return TargetStep(batch.chunks, a, hidden, x, layout, tokens, num_new, g, key)
 
     def _constrain(self, logits: torch.Tensor, sampled: list[SeqChunk]) -> None:
         """Structured output: -inf, in place, for every token a chunk's grammar does not allow next
@@ -419,10 +421,8 @@ class TorchRunner(ModelRunner):
         return self.result(self.submit(batch))
 
     def build_proposer(self, config: Config):
-        if config.speculate_method == "mtp":
-            from llmserve.runners.torch.mtp import MTPProposer
-
-            return MTPProposer(self)
+        if self.head is not None:  # built with the runner (its KV layers, its graphs)
+            return self.head
         if config.speculate_method == "draft":
             from llmserve.runners.torch.draft import DraftModelProposer
 
