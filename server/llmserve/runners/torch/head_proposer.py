@@ -34,7 +34,7 @@ from llmserve.config import Config
 from llmserve.engine.runner_contract import SeqChunk
 from llmserve.engine.speculative import Proposer
 from llmserve.layers.kv_cache import KVCache, LayerKV
-from llmserve.runners.torch.inputs import StepInputs
+from llmserve.runners.torch.inputs import StepInputs, host_arrays
 
 # SPECULATE_METHOD -> its head: a HeadProposer subclass, or "module:class" (imported when served; a
 # head module imports this one, so naming it here by its path keeps the imports acyclic).
@@ -80,6 +80,17 @@ class HeadProposer(Proposer):
     def graph_forward(self, graphs, key: tuple[int, int]) -> torch.Tensor:
         """Its work beside the step graph `key` (captured, and run eagerly to warm up), returning its output."""
         raise NotImplementedError
+
+
+def target_step(chunks, hidden, x, layout, a, tokens, num_new, graphs, block_size: int) -> TargetStep:
+    """A step as its head proposer sees it, after its launch (runner.submit's `_forward` parts: `x` and `a`
+    None after a replayed graph and a graph-packed verification step)."""
+    g = key = None
+    if x is None:  # a replayed graph: its inputs, in its padded layout
+        g, key = graphs, graphs.last_key
+        x = g.inputs()
+    a = a if a is not None else host_arrays(chunks, block_size)  # (after the launch)
+    return TargetStep(chunks, a, hidden, x, layout, tokens, num_new, g, key)
 
 
 def build_head(runner, model_dir: str, config: Config) -> HeadProposer | None:

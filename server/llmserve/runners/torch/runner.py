@@ -29,8 +29,9 @@ from llmserve.layers.parallel import SINGLE, TensorParallel, check_shardable
 from llmserve.layers.quant.methods import method_for
 from llmserve.layers.sampler import DeviceSampler
 from llmserve.models.llama import DecoderModel
+from llmserve.runners.torch import inputs as step_inputs
 from llmserve.runners.torch.cuda_graphs import DecodeGraphs, VerifyPack, decode_splits
-from llmserve.runners.torch.head_proposer import HeadProposer, TargetStep, build_head
+from llmserve.runners.torch.head_proposer import HeadProposer, build_head, target_step
 from llmserve.runners.torch.inputs import StepInputs, Uploader, host_arrays, work_items
 
 log = logging.getLogger(__name__)
@@ -181,24 +182,9 @@ class TorchRunner(ModelRunner):
 
     @torch.inference_mode()
     def _warmup_prefill(self, num_tokens: int) -> None:
-        mc = self.model_config
-        nb = -(-num_tokens // self.block_size)
-        kv = self.kv_spec.allocate(nb, self.device)
-        dev = self.device
-        i32 = dict(dtype=torch.int32, device=dev)
-        bt = torch.arange(nb, **i32)[None, :]
-        block_t = tile_tokens(mc.num_attention_heads, mc.num_key_value_heads, decode_only=False)
-        tiles = -(-num_tokens // block_t)
-        meta = AttnMeta(
-            torch.tensor([0, num_tokens], **i32),
-            torch.tensor([num_tokens], **i32),
-            bt,
-            torch.zeros(tiles, **i32),
-            torch.arange(tiles, **i32) * block_t,
-            block_t,
-        )
-        ids = torch.randint(0, self.vocab_size, (num_tokens,), **i32)
-        slots = torch.arange(num_tokens, **i32)
+        kv = self.kv_spec.allocate(-(-num_tokens // self.block_size), self.device)
+        mc, dev = self.model_config, self.device
+        ids, slots, meta = step_inputs.prefill_inputs(num_tokens, mc, self.block_size, self.vocab_size, dev)
         # Rotary positions stay inside the model's table when the step budget exceeds MAX_SEQ_LEN.
         hidden = self.model.forward(ids, slots % self.max_model_len, slots, meta, kv)
         self.model.logits(hidden[-1:])
@@ -244,13 +230,7 @@ class TorchRunner(ModelRunner):
 
     def _fill_pending(self, batch: StepBatch, ids: torch.Tensor, a: dict) -> None:
         """Write into `ids` (device) the tokens the last step drew for this step's PENDING inputs."""
-        pend = a["pending"]
-        if not pend.size:
-            return
-        last_rows = self._last_rows
-        src = [last_rows[batch.chunks[i].request.req_id] for i in a["seq_of_pending"]]
-        idx = torch.from_numpy(np.stack([pend, np.asarray(src, dtype=np.int64)])).to(self.device, non_blocking=True)
-        ids.index_copy_(0, idx[0], self._last_tokens.index_select(0, idx[1]).to(ids.dtype))
+        step_inputs.fill_pending(ids, a, batch.chunks, self._last_tokens, self._last_rows)
 
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -331,8 +311,8 @@ class TorchRunner(ModelRunner):
             plp = (asking, self._prompt_logprobs(hidden, x, min(k, self.vocab_size)))
         sampled = [c for c in batch.chunks if c.sample]
         reqs = [c.request for c in sampled]
-        if any(c.token_bitmask is not None for c in sampled):
-            self._constrain(logits, sampled)
+        if any(c.token_bitmask is not None for c in sampled):  # structured output
+            step_inputs.apply_bitmasks(logits, sampled, self.vocab_size, self.uploader)
         num_new = rows = num_new_dev = None
         if any(c.draft_token_ids for c in sampled):  # verification (serial steps: no PENDING follows)
             out_index = [c.start + c.num_tokens - len(c.draft_token_ids) - c.request.num_prompt_tokens for c in sampled]
@@ -347,7 +327,8 @@ class TorchRunner(ModelRunner):
         if self.head is not None and not batch.proposer_state:  # no proposals next step: skip the head
             self.head.drop([r.req_id for r in reqs])  # what it kept for them is now stale
         elif self.head is not None:
-            self.head.after_step(self._target_step(batch, hidden, x, layout, a, tokens, num_new_dev))
+            step = target_step(batch.chunks, hidden, x, layout, a, tokens, num_new_dev, self.graphs, self.block_size)
+            self.head.after_step(step)
         host = self._to_host(tokens)
         if plp is not None:  # copied with the tokens: result() must not wait on the next step's work
             plp = (plp[0], tuple(self._to_host(t) for t in plp[1]))
@@ -356,30 +337,6 @@ class TorchRunner(ModelRunner):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
         return _Launched(host, tokens, lps, self._t_start, end, plp, rows, num_new)
-
-    def _target_step(self, batch: StepBatch, hidden, x, layout, a, tokens, num_new) -> TargetStep:
-        """The step as the head proposer sees it (head_proposer.py), after its launch."""
-        g = key = None
-        if x is None:  # a replayed graph: its inputs, in its padded layout
-            g, key = self.graphs, self.graphs.last_key
-            x = g.inputs()
-        a = a if a is not None else host_arrays(batch.chunks, self.block_size)  # (after the launch)
-        return TargetStep(batch.chunks, a, hidden, x, layout, tokens, num_new, g, key)
-
-    def _constrain(self, logits: torch.Tensor, sampled: list[SeqChunk]) -> None:
-        """Structured output: -inf, in place, for every token a chunk's grammar does not allow next
-        (its bitmask, base.py; the same for each of its rows)."""
-        words = -(-self.vocab_size // 32)
-        rows = np.full((logits.shape[0], words), -1, dtype=np.int32)  # all bits set: unconstrained
-        r = 0
-        for c in sampled:
-            if c.token_bitmask is not None:
-                rows[r : r + c.num_sampled_rows] = c.bitmask()
-            r += c.num_sampled_rows
-        (dev,) = self.uploader.upload([rows])
-        shifts = torch.arange(32, device=self.device, dtype=torch.int32)
-        allowed = ((dev.unsqueeze(-1) >> shifts) & 1).view(rows.shape[0], words * 32)[:, : self.vocab_size]
-        logits.masked_fill_(allowed == 0, float("-inf"))
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """An asynchronous copy into pinned memory (on CUDA), readable once the step's end event is."""
