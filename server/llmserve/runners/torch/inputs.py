@@ -3,7 +3,9 @@
 Everything the model needs per step (token ids, positions, KV slots, chunk
 offsets, context lengths, block tables, attention work items) is int32; it is
 packed into one pinned host buffer and copied to the device at once, so input
-preparation costs one transfer however many requests the batch holds.
+preparation costs one transfer however many requests the batch holds. Also the
+inputs filled in on the device: the tokens of PENDING inputs (overlapped steps)
+and structured output's token masks.
 """
 
 from __future__ import annotations
