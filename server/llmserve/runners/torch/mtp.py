@@ -11,13 +11,13 @@ i it takes the trunk's last hidden state h_i and the embedding of token t_{i+1} 
 Its K/V live in one more layer of the target's KV cache, at the same slots as the target's: the
 target's block tables, rollback and block lifetimes serve it unchanged. Two parts:
 
-- `MTPHead.extend`, after every target step (`MTPProposer.after_step`, whatever k) that may precede a
-  speculating one (`StepBatch.proposer_state`; the draft-length rule says when): the module over every position
-  the step computed, with t_{i+1} the next input token or, at sampled rows, the token the target drew
-  there (for a verification row j: the token at row j, which equals draft j + 1 where it was accepted).
-  Rows past a rejection write K/V that the rollback makes stale and a later step overwrites. Each
-  sampled request's y at its last accepted position is kept (`state`): it predicts the token after
-  the one just drawn, the first proposal.
+- `MTPHead.extend`, after every target step (`MTPProposer.after_step`, whatever k) that may precede
+  a speculating one (`StepBatch.proposer_state`; the draft-length rule says when): the module over
+  every position the step computed, with t_{i+1} the next input token or, at sampled rows, the token
+  the target drew there (for a verification row j: the token at row j, which equals draft j + 1
+  where it was accepted). Rows past a rejection write K/V that the rollback makes stale and a later
+  step overwrites. Each sampled request's y at its last accepted position is kept (`state`): it
+  predicts the token after the one just drawn, the first proposal.
 - `MTPProposer`: before scheduling it asks for k placeholder proposals, so that the scheduler reserves
   their KV slots within its budget and limits; after scheduling (`fill`) it writes the real ones: the
   first from the kept y, then a chain of k - 1 single-token steps that feed the module its own output
