@@ -204,8 +204,9 @@ def test_a_draft_that_is_the_target_is_accepted(tiny_hf_dir):
     st = engine.stats()
     assert st.spec_draft_tokens > 20 and st.spec_accepted_tokens >= 0.95 * st.spec_draft_tokens, f"seed {seed} {st}"
     sampled = workload(seed, 512, n=8, temperature=0.9)
-    # One ends at the model's length (256, 16 tokens after its prompt): the draft proposes fewer than k there.
-    near_end = SamplingParams(max_tokens=40, temperature=0.9, seed=seed, ignore_eos=True)
+    # One ends at the model's length (256, 16 tokens after its prompt; the engine refuses more than fit):
+    # the draft proposes fewer than k there.
+    near_end = SamplingParams(max_tokens=16, temperature=0.9, seed=seed, ignore_eos=True)
     sampled.insert(1, ("long", np.random.default_rng(seed).integers(0, 512, 240).tolist(), near_end))
     engine = make_engine(target, target, 4)
     got = run(engine, sampled)

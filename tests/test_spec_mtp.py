@@ -209,7 +209,8 @@ def test_plain_steps_before_plain_steps_skip_the_module():
     engine = make_engine(str(DEMO_HF_DIR), 3)
     engine.draft_length = ScriptedRule(([0] * 5 + [3] * 4 + [0] * 3 + [3] + [0] * 2) * 20)
     steps, ran = [], []
-    submit, extend = engine.runner.submit, engine.runner.mtp.extend
+    assert engine.proposer is engine.runner.head  # the runner's head proposer serves the engine
+    submit, extend = engine.runner.submit, engine.proposer.head.extend
 
     def spy_extend(*a, **kw):
         ran.append(1)
@@ -223,7 +224,7 @@ def test_plain_steps_before_plain_steps_skip_the_module():
         steps.append((batch.proposer_state, len(ran) > before, drafts))
         return handle
 
-    engine.runner.mtp.extend, engine.runner.submit = spy_extend, spy_submit
+    engine.proposer.head.extend, engine.runner.submit = spy_extend, spy_submit
     assert run(engine, reqs) == plain, f"seed {seed}"
     assert all(keep == extended for keep, extended, _ in steps)
     assert 0 < sum(keep for keep, _, _ in steps) < len(steps), steps
@@ -252,10 +253,10 @@ def test_abort_during_an_mtp_verification_step_frees_every_block():
     check_abort_while_verifying(engine, [f"a{i}" for i in range(6)], 50)
 
 
-def eager_graphs(runner: TorchRunner, mtp_graphs: bool):
+def eager_graphs(runner: TorchRunner, head_graphs: bool):
     """The runner's DecodeGraphs run eagerly on the CPU: a "replay" loads the static buffers and runs
     what the graph would (cuda_graphs.DecodeGraphs.load), so decode and verification steps take the
-    graph paths, padded layouts included; with `mtp_graphs`, the MTP module's graphs too."""
+    graph paths, padded layouts included; with `head_graphs`, the head proposer's graphs too."""
     from llmserve.runners.torch.cuda_graphs import DecodeGraphs
 
     class EagerGraphs(DecodeGraphs):
@@ -268,18 +269,17 @@ def eager_graphs(runner: TorchRunner, mtp_graphs: bool):
             self.last_hidden, self.last_key = self.hidden[q, bs], (q, bs)
             return self.logits[q, bs]
 
-        def _replay_mtp(self, key):
-            q, bs = key
-            self.mtp_y[q, bs] = self._run_mtp(bs, q)
+        def replay_head(self, key):
+            self.head_out[key] = self.head.graph_forward(self, key)
 
     k = runner.config.speculate_max_draft_tokens
-    mtp = runner.mtp if mtp_graphs else None
-    g = EagerGraphs(runner.model, runner.kv_cache, runner.max_batch, runner.max_blocks_per_seq, 1, k, mtp)
-    if mtp_graphs:  # "captured": static outputs of the main graphs, the module's graphs marked present
+    head = runner.head if head_graphs else None
+    g = EagerGraphs(runner.model, runner.kv_cache, runner.max_batch, runner.max_blocks_per_seq, 1, k, head)
+    if head_graphs:  # "captured": static outputs of the main graphs, the head's graphs marked present
         for q, buckets in g.buckets.items():
             for bs in buckets:
                 g.hidden[q, bs] = torch.zeros(bs * q, runner.model.cfg.hidden_size, dtype=runner.model.dtype)
-                g.mtp_graphs[q, bs] = None
+                g.head_graphs[q, bs] = None
     return g
 
 
@@ -303,7 +303,7 @@ def test_mtp_reads_graph_steps_in_their_padded_layout(mtp_graphs):
         assert engine.stats().spec_accepted_tokens > 0
         if graphs:  # decode and verification steps took the graph paths
             assert 1 in engine.runner.graphs.replays and max(engine.runner.graphs.replays) > 1
-            assert bool(engine.runner.graphs.mtp_y) == mtp_graphs  # the module ran as its graphs
+            assert bool(engine.runner.graphs.head_out) == mtp_graphs  # the module ran as its graphs
     assert runs[True].pop("out") == runs[False].pop("out"), f"seed {seed}"
     both = [key for key in runs[True] if key in runs[False]]
     same = sum(runs[True][key] == runs[False][key] for key in both)

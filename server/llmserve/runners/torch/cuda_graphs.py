@@ -12,6 +12,10 @@ Speculative decoding's verification steps (every sequence: its last token and k 
 of q = k + 1 queries per sequence, for k = 1..SPECULATE_MAX_DRAFT_TOKEN_NUM and batches of up to
 MAX_VERIFY_TOKENS tokens. A sequence with fewer drafts is padded to q (`VerifyPack`): its extra
 queries write no KV and come after its real ones, so the causal mask hides them from those.
+
+A head proposer that captures its work (head_proposer.py: MTP) gets a second graph per key, captured
+right after the step graph over the same pool: its `graph_forward` over that graph's static inputs,
+hidden output and the head's static buffers; the head replays it (`replay_head`).
 """
 
 from __future__ import annotations
@@ -69,13 +73,13 @@ class DecodeGraphs:
         max_blocks: int,
         num_sms: int,
         max_draft: int = 0,
-        mtp=None,
+        head=None,
     ) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        # An MTP module (mtp.MTPHead): each graph gets a second one that runs the module over the
-        # step's positions from the first's hidden states and a static buffer of next tokens.
-        self.mtp = mtp
+        # A head proposer (head_proposer.HeadProposer): with static buffers of its own, each graph gets
+        # a second one that runs the head's work over the step's positions from the first's hidden states.
+        self.head = head
         dev = kv_cache.data.device
         mb = self.max_batch = max_batch
         decode = [b for b in BUCKETS if b < max_batch] + [max_batch]
@@ -103,12 +107,12 @@ class DecodeGraphs:
         self.num_sms = num_sms
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.logits: dict[tuple[int, int], torch.Tensor] = {}
-        self.hidden: dict[tuple[int, int], torch.Tensor] = {}  # final hidden states (for an MTP module)
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}  # final hidden states (for a head proposer)
         self.last_hidden: torch.Tensor | None = None  # those of the last replay, [bucket * q, hidden]
         self.last_key: tuple[int, int] = (1, 0)  # (q, bucket) of the last replay
-        self.mtp_ids = torch.zeros(mt, dtype=torch.long, device=dev)
-        self.mtp_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self.mtp_y: dict[tuple[int, int], torch.Tensor] = {}
+        self.head_static = head.graph_buffers(mt, dev) if head is not None else None  # None: no head graphs
+        self.head_graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.head_out: dict[tuple[int, int], torch.Tensor] = {}
         self.pool = None
         self._np_views: dict[int, tuple[torch.Tensor, list[np.ndarray]]] = {}  # staging buffer -> its views
 
@@ -161,11 +165,6 @@ class DecodeGraphs:
         hidden = self.model.forward(self.ids[:t], self.pos[:t], self.slots[:t], self._meta(bs, q), self.kv_cache)
         return hidden, self.model.logits(hidden)
 
-    def _run_mtp(self, bs: int, q: int) -> torch.Tensor:
-        """The MTP module over the graph (q, bs)'s positions: its hidden output and `mtp_ids`."""
-        kv = self.kv_cache.layer(self.model.cfg.num_hidden_layers)
-        return self.mtp.forward(self.mtp_ids[: bs * q], self.hidden[q, bs], self.inputs((q, bs)), kv)
-
     @torch.inference_mode()
     def capture(self) -> None:
         self.slots.fill_(-1)
@@ -183,11 +182,11 @@ class DecodeGraphs:
                 if self.pool is None:
                     self.pool = g.pool()
                 self.graphs[q, bs] = g
-                if self.mtp is not None:
-                    self._run_mtp(bs, q)
-                    g = self.mtp_graphs[q, bs] = torch.cuda.CUDAGraph()
+                if self.head_static is not None:
+                    self.head.graph_forward(self, (q, bs))  # warm up
+                    g = self.head_graphs[q, bs] = torch.cuda.CUDAGraph()
                     with torch.cuda.graph(g, pool=self.pool, stream=stream):
-                        self.mtp_y[q, bs] = self._run_mtp(bs, q)
+                        self.head_out[q, bs] = self.head.graph_forward(self, (q, bs))
         torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
         log.info("captured CUDA graphs: %s", {q: bs for q, bs in self.buckets.items()})
@@ -199,22 +198,9 @@ class DecodeGraphs:
         t = bs * q
         return StepInputs(self.ids[:t], self.pos[:t], self.slots[:t], self._meta(bs, q), self.ids[:0])
 
-    def replay_mtp(
-        self, next_ids: torch.Tensor, hidden: torch.Tensor | None = None, key: tuple[int, int] | None = None
-    ) -> torch.Tensor:
-        """The MTP module's graph `key` (default: the last replayed) over its positions with these next
-        tokens, and these hidden states in place of the graph's own output (the proposer's chain,
-        after `load`); returns its output y for those rows (a view of a static buffer)."""
-        key = key or self.last_key
-        n = next_ids.shape[0]
-        if hidden is not None:
-            self.hidden[key][:n].copy_(hidden)
-        self.mtp_ids[:n].copy_(next_ids)
-        self._replay_mtp(key)
-        return self.mtp_y[key][:n]
-
-    def _replay_mtp(self, key: tuple[int, int]) -> None:
-        self.mtp_graphs[key].replay()
+    def replay_head(self, key: tuple[int, int]) -> None:
+        """The head's graph `key`, over what the head wrote into its static buffers (its output: `head_out[key]`)."""
+        self.head_graphs[key].replay()
 
     def verify_q(self, chunks: list[SeqChunk]) -> int:
         """q when a graph replays this step as a verification step, else 0: every chunk a sampling chunk of its

@@ -3,7 +3,9 @@
 Everything the model needs per step (token ids, positions, KV slots, chunk
 offsets, context lengths, block tables, attention work items) is int32; it is
 packed into one pinned host buffer and copied to the device at once, so input
-preparation costs one transfer however many requests the batch holds.
+preparation costs one transfer however many requests the batch holds. Also the
+inputs filled in on the device: the tokens of PENDING inputs (overlapped steps)
+and structured output's token masks.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 
 from llmserve.engine.request import PENDING
 from llmserve.engine.runner_contract import SeqChunk
-from llmserve.kernels.attention import AttnMeta
+from llmserve.kernels.attention import AttnMeta, tile_tokens
 
 
 @dataclass
@@ -98,6 +100,59 @@ def host_arrays(chunks: list[SeqChunk], block_size: int) -> dict[str, np.ndarray
         pending=pending,
         seq_of_pending=seq_of[pending],
     )
+
+
+def fill_pending(
+    ids: torch.Tensor, a: dict, chunks: list[SeqChunk], last_tokens: torch.Tensor, last_rows: dict[str, int]
+) -> None:
+    """Write into `ids` (device) the tokens the last step drew (`last_tokens`, a row per request:
+    `last_rows`) for this step's PENDING inputs (host arrays `a` of `chunks`)."""
+    pend = a["pending"]
+    if not pend.size:
+        return
+    src = [last_rows[chunks[i].request.req_id] for i in a["seq_of_pending"]]
+    idx = torch.from_numpy(np.stack([pend, np.asarray(src, dtype=np.int64)])).to(ids.device, non_blocking=True)
+    ids.index_copy_(0, idx[0], last_tokens.index_select(0, idx[1]).to(ids.dtype))
+
+
+def apply_bitmasks(logits: torch.Tensor, sampled: list[SeqChunk], vocab_size: int, uploader: Uploader) -> None:
+    """Structured output: -inf, in place, for every token a chunk's grammar does not allow next (its
+    bitmask, base.py; the same for each of its rows). The masks go up in one upload, unpacked on the device."""
+    words = -(-vocab_size // 32)
+    rows = np.full((logits.shape[0], words), -1, dtype=np.int32)  # all bits set: unconstrained
+    r = 0
+    for c in sampled:
+        if c.token_bitmask is not None:
+            rows[r : r + c.num_sampled_rows] = c.bitmask()
+        r += c.num_sampled_rows
+    (dev,) = uploader.upload([rows])
+    shifts = torch.arange(32, device=logits.device, dtype=torch.int32)
+    allowed = ((dev.unsqueeze(-1) >> shifts) & 1).view(rows.shape[0], words * 32)[:, :vocab_size]
+    logits.masked_fill_(allowed == 0, float("-inf"))
+
+
+def prefill_inputs(
+    num_tokens: int, mc, block_size: int, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttnMeta]:
+    """(ids, slots, attention metadata) of one prompt of `num_tokens` random tokens over blocks 0, 1, ...
+    of a cache of its own: the KV sizing's largest step (runner._warmup_prefill). `mc`: the model config
+    (this rank's heads)."""
+    nb = -(-num_tokens // block_size)
+    i32 = dict(dtype=torch.int32, device=device)
+    bt = torch.arange(nb, **i32)[None, :]
+    block_t = tile_tokens(mc.num_attention_heads, mc.num_key_value_heads, decode_only=False)
+    tiles = -(-num_tokens // block_t)
+    meta = AttnMeta(
+        torch.tensor([0, num_tokens], **i32),
+        torch.tensor([num_tokens], **i32),
+        bt,
+        torch.zeros(tiles, **i32),
+        torch.arange(tiles, **i32) * block_t,
+        block_t,
+    )
+    ids = torch.randint(0, vocab_size, (num_tokens,), **i32)
+    slots = torch.arange(num_tokens, **i32)
+    return ids, slots, meta
 
 
 def work_items(q_lens: np.ndarray, block_t: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,4 +1,4 @@
-"""MTP proposals (SPECULATE_METHOD=mtp) on the torch runner.
+"""MTP proposals (SPECULATE_METHOD=mtp) on the torch runner: a head proposer (head_proposer.py).
 
 A DeepSeek-V3-style multi-token-prediction module (train/mtp.py; checkpoint tensors under
 `model.layers.{N}.`, `num_nextn_predict_layers` in config.json) over the target's trunk: at position
@@ -11,13 +11,13 @@ i it takes the trunk's last hidden state h_i and the embedding of token t_{i+1} 
 Its K/V live in one more layer of the target's KV cache, at the same slots as the target's: the
 target's block tables, rollback and block lifetimes serve it unchanged. Two parts:
 
-- `MTPHead.extend`, in every target step (runner.submit, whatever k) that may precede a speculating
-  one (`StepBatch.proposer_state`; the draft-length rule says when): the module over every position
-  the step computed, with t_{i+1} the next input token or, at sampled rows, the token the target drew
-  there (for a verification row j: the token at row j, which equals draft j + 1 where it was accepted).
-  Rows past a rejection write K/V that the rollback makes stale and a later step overwrites. Each
-  sampled request's y at its last accepted position is kept (`state`): it predicts the token after
-  the one just drawn, the first proposal.
+- `MTPHead.extend`, after every target step (`MTPProposer.after_step`, whatever k) that may precede
+  a speculating one (`StepBatch.proposer_state`; the draft-length rule says when): the module over
+  every position the step computed, with t_{i+1} the next input token or, at sampled rows, the token
+  the target drew there (for a verification row j: the token at row j, which equals draft j + 1
+  where it was accepted). Rows past a rejection write K/V that the rollback makes stale and a later
+  step overwrites. Each sampled request's y at its last accepted position is kept (`state`): it
+  predicts the token after the one just drawn, the first proposal.
 - `MTPProposer`: before scheduling it asks for k placeholder proposals, so that the scheduler reserves
   their KV slots within its budget and limits; after scheduling (`fill`) it writes the real ones: the
   first from the kept y, then a chain of k - 1 single-token steps that feed the module its own output
@@ -25,9 +25,9 @@ target's block tables, rollback and block lifetimes serve it unchanged. Two part
   writing K/V at the reserved slots (overwritten by the verification step's extend). Proposals are the
   module's argmax, verified as one-hot proposals (lossless for greedy and sampled requests alike).
   Tokens stay on the device through the chain; one copy to the host at its end.
-On CUDA the module runs as graphs captured beside the step graphs (cuda_graphs.py): after a replayed
-step over that graph's static inputs and hidden output, and for each chain step over the decode
-graph of its bucket; after an eager step, and where no graph fits, it runs eagerly.
+On CUDA the module runs as graphs captured beside the step graphs (cuda_graphs.py, `graph_forward`):
+after a replayed step over that graph's static inputs and hidden output, and for each chain step over
+the decode graph of its bucket; after an eager step, and where no graph fits, it runs eagerly.
 
 A step the rule runs plain with no speculation to follow skips the module (on a host-bound target
 it would cost a third of the step) and forgets its requests' kept y: they propose again one step
@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -52,13 +53,13 @@ import torch.nn.functional as F
 from llmserve.config import Config, ConfigError
 from llmserve.engine.request import Request
 from llmserve.engine.runner_contract import SeqChunk, StepBatch
-from llmserve.engine.speculative import Proposer
 from llmserve.kernels.norm import rms_norm
 from llmserve.layers.kv_cache import LayerKV
 from llmserve.layers.linear import Linear
 from llmserve.layers.quant.methods import load_linear
 from llmserve.layers.weights import WeightReader
 from llmserve.models.llama import DecoderModel, LayerWeights, load_layer
+from llmserve.runners.torch.head_proposer import HeadProposer, TargetStep
 from llmserve.runners.torch.inputs import FedChunk, StepInputs, host_arrays
 
 
@@ -149,23 +150,14 @@ class MTPHead:
             if r is not None:
                 self._free.append(r)
 
-    def extend(
-        self,
-        chunks: list[SeqChunk],
-        a: dict,
-        hidden: torch.Tensor,
-        x: StepInputs,
-        layout: np.ndarray | None,
-        tokens: torch.Tensor,
-        num_new: torch.Tensor | None,
-        kv: LayerKV,
-        run=None,
-    ) -> None:
+    def extend(self, step: TargetStep, kv: LayerKV, run=None) -> None:
         """After a target step (module doc): the module's K/V at the step's positions, and each sampled
-        request's y at its last accepted position. `hidden`, `x`: the step's rows in its layout
-        (`layout[i]`: the row of packed token i; None: in order; a CUDA graph's pad rows write no K/V).
-        `run(next_ids)`: the module's output over those rows from a captured graph (cuda_graphs.py),
-        else it runs eagerly."""
+        request's y at its last accepted position. The step's hidden states and inputs are its rows in
+        its layout (`layout[i]`: the row of packed token i; None: in order; a CUDA graph's pad rows write
+        no K/V). `run(next_ids)`: the module's output over those rows from a captured graph
+        (cuda_graphs.py), else it runs eagerly."""
+        chunks, a, hidden, x, layout = step.chunks, step.arrays, step.hidden, step.inputs, step.layout
+        tokens, num_new = step.tokens, step.num_new
         ids, cu = a["ids"], a["cu_q"]
         nxt = np.zeros(ids.shape[0], dtype=np.int64)
         nxt[:-1] = ids[1:]
@@ -192,15 +184,50 @@ class MTPHead:
         self.state[rows_dev.long()] = y[last]
 
 
-class MTPProposer(Proposer):
-    """Placeholders before scheduling, the module's proposals after it (module doc)."""
+class MTPProposer(HeadProposer):
+    """The module's extend after each target step; placeholders before scheduling, the module's
+    proposals after it (module doc)."""
 
     PLACEHOLDER = 0
-    per_step_state = True
+    kv_layers = 1  # the module's K/V
 
-    def __init__(self, runner) -> None:  # a TorchRunner with its `mtp` head
-        self.runner = runner
-        self.head: MTPHead = runner.mtp
+    def __init__(self, runner, model_dir: str, config: Config) -> None:  # runner: a TorchRunner
+        super().__init__(runner, model_dir, config)
+        self.head = MTPHead(runner.model, model_dir, config, runner.uploader.upload)
+
+    def after_step(self, step: TargetStep) -> None:
+        """The module's K/V at the step's positions (MTPHead.extend); after a replayed graph, as the
+        module's graph beside it."""
+        g, key, run = step.graphs, step.graph_key, None
+        if g is not None and key in g.head_graphs:
+            run = partial(self._replay, g, hidden=None, key=key)
+        kv = self.kv_layer(self.runner.kv_cache, self.runner.model)
+        self.head.extend(step, kv, run)
+
+    # ---- CUDA graphs (cuda_graphs.DecodeGraphs) ---------------------------------------
+    def graph_buffers(self, max_tokens: int, device: torch.device) -> torch.Tensor:
+        """The next token of each graph row."""
+        return torch.zeros(max_tokens, dtype=torch.long, device=device)
+
+    def graph_forward(self, graphs, key: tuple[int, int]) -> torch.Tensor:
+        """The module over the graph's positions: its hidden output and the static next tokens."""
+        q, bs = key
+        kv = self.kv_layer(graphs.kv_cache, graphs.model)
+        return self.head.forward(graphs.head_static[: bs * q], graphs.hidden[key], graphs.inputs(key), kv)
+
+    @staticmethod
+    def _replay(graphs, next_ids: torch.Tensor, hidden: torch.Tensor | None, key: tuple[int, int]) -> torch.Tensor:
+        """The module's graph `key` over its positions with these next tokens, and these hidden states
+        in place of the step graph's own output (the chain, after `graphs.load`); its output y for
+        those rows (a view of a static buffer)."""
+        n = next_ids.shape[0]
+        if hidden is not None:
+            graphs.hidden[key][:n].copy_(hidden)
+        graphs.head_static[:n].copy_(next_ids)
+        graphs.replay_head(key)
+        return graphs.head_out[key][:n]
+
+    # ---- Proposer ---------------------------------------------------------------------
 
     def propose(self, reqs: list[Request], k: int) -> None:
         for req in reqs:  # a request the module has not seen yet (none kept) waits a step
@@ -220,7 +247,7 @@ class MTPProposer(Proposer):
         y = head.state[rows.long()]
         tok = runner.model.logits(y).argmax(-1)
         drafts = [tok]
-        kv = runner.kv_cache.layer(runner.model_config.num_hidden_layers)
+        kv = self.kv_layer(runner.kv_cache, runner.model)
         for s in range(1, max(ks)):
             act = [i for i, k in enumerate(ks) if k > s]
             # Position of draft s's input: the chunk starts at the request's last token (draft 0's).
@@ -229,9 +256,9 @@ class MTPProposer(Proposer):
             (idx,) = head.upload([np.asarray(act, np.int64)])
             idx = idx.long()
             g = runner.graphs
-            if g is not None and g.mtp_graphs and g.bucket(len(act)) is not None and a["bt"].shape[1] <= g.max_blocks:
+            if g is not None and g.head_graphs and g.bucket(len(act)) is not None and a["bt"].shape[1] <= g.max_blocks:
                 bs = g.load(a)  # the module's decode graph over the chain's positions
-                y_act = g.replay_mtp(tok[idx], y[idx], (1, bs))
+                y_act = self._replay(g, tok[idx], y[idx], (1, bs))
             else:
                 y_act = head.forward(tok[idx], y[idx], runner.prepare(StepBatch(fed), a), kv)
             y, tok = y.clone(), tok.clone()

@@ -1,7 +1,8 @@
 """TorchRunner: HF Llama/Qwen2 safetensors on CUDA (bf16) or CPU (fp32).
 
 Owns the weights, the paged KV cache (`[layers, 2, blocks, KVH, block_size, D]`),
-the device sampler and the decode CUDA graphs. One `execute` = one packed
+the device sampler, the decode CUDA graphs and SPECULATE_METHOD's head proposer, if
+it has one (head_proposer.py: called at fixed points of the step). One `execute` = one packed
 mixed batch: inputs uploaded in one copy, one forward, logits of the sampled
 rows only, sampling on the device, one device-to-host copy of the tokens.
 A step with prompt-logprob chunks (base.py) also takes logits of their prompt
@@ -28,9 +29,10 @@ from llmserve.layers.parallel import SINGLE, TensorParallel, check_shardable
 from llmserve.layers.quant.methods import method_for
 from llmserve.layers.sampler import DeviceSampler
 from llmserve.models.llama import DecoderModel
+from llmserve.runners.torch import inputs as step_inputs
 from llmserve.runners.torch.cuda_graphs import DecodeGraphs, VerifyPack, decode_splits
+from llmserve.runners.torch.head_proposer import HeadProposer, build_head, target_step
 from llmserve.runners.torch.inputs import StepInputs, Uploader, host_arrays, work_items
-from llmserve.runners.torch.mtp import MTPHead
 
 log = logging.getLogger(__name__)
 
@@ -101,10 +103,8 @@ class TorchRunner(ModelRunner):
             time.perf_counter() - t0,
         )
         self.uploader = Uploader(self.device)
-        # SPECULATE_METHOD=mtp: the checkpoint's MTP module; its K/V are one more layer of the cache.
-        self.mtp = None
-        if config.speculate_method == "mtp":
-            self.mtp = MTPHead(self.model, model_dir, config, self.uploader.upload)
+        # A head proposer (mtp): built before the KV cache, which holds its layers, and the graphs.
+        self.head: HeadProposer | None = build_head(self, model_dir, config)
         self._last_tokens = torch.zeros(0, dtype=torch.long, device=self.device)
         self._last_rows: dict[str, int] = {}
         # Prompt tokens of one request per step: a CPU step over 2048 tokens deep in a long prompt
@@ -133,14 +133,14 @@ class TorchRunner(ModelRunner):
             drafts = config.speculate_max_draft_tokens if config.speculate_method != "none" else 0
             self.graphs = DecodeGraphs(
                 self.model, self.kv_cache, min(self.max_batch, 512), self.max_blocks_per_seq, self.num_sms, drafts,
-                self.mtp,
+                self.head,
             )  # fmt: skip
             self.graphs.capture()
 
     # ---- KV cache sizing ------------------------------------------------------
     @property
     def _kv_layers(self) -> int:
-        return self.model_config.num_hidden_layers + (self.mtp is not None)
+        return self.model_config.num_hidden_layers + (self.head.kv_layers if self.head is not None else 0)
 
     def _block_bytes(self) -> int:
         return self.kv_spec.block_bytes
@@ -182,24 +182,9 @@ class TorchRunner(ModelRunner):
 
     @torch.inference_mode()
     def _warmup_prefill(self, num_tokens: int) -> None:
-        mc = self.model_config
-        nb = -(-num_tokens // self.block_size)
-        kv = self.kv_spec.allocate(nb, self.device)
-        dev = self.device
-        i32 = dict(dtype=torch.int32, device=dev)
-        bt = torch.arange(nb, **i32)[None, :]
-        block_t = tile_tokens(mc.num_attention_heads, mc.num_key_value_heads, decode_only=False)
-        tiles = -(-num_tokens // block_t)
-        meta = AttnMeta(
-            torch.tensor([0, num_tokens], **i32),
-            torch.tensor([num_tokens], **i32),
-            bt,
-            torch.zeros(tiles, **i32),
-            torch.arange(tiles, **i32) * block_t,
-            block_t,
-        )
-        ids = torch.randint(0, self.vocab_size, (num_tokens,), **i32)
-        slots = torch.arange(num_tokens, **i32)
+        kv = self.kv_spec.allocate(-(-num_tokens // self.block_size), self.device)
+        mc, dev = self.model_config, self.device
+        ids, slots, meta = step_inputs.prefill_inputs(num_tokens, mc, self.block_size, self.vocab_size, dev)
         # Rotary positions stay inside the model's table when the step budget exceeds MAX_SEQ_LEN.
         hidden = self.model.forward(ids, slots % self.max_model_len, slots, meta, kv)
         self.model.logits(hidden[-1:])
@@ -245,13 +230,7 @@ class TorchRunner(ModelRunner):
 
     def _fill_pending(self, batch: StepBatch, ids: torch.Tensor, a: dict) -> None:
         """Write into `ids` (device) the tokens the last step drew for this step's PENDING inputs."""
-        pend = a["pending"]
-        if not pend.size:
-            return
-        last_rows = self._last_rows
-        src = [last_rows[batch.chunks[i].request.req_id] for i in a["seq_of_pending"]]
-        idx = torch.from_numpy(np.stack([pend, np.asarray(src, dtype=np.int64)])).to(self.device, non_blocking=True)
-        ids.index_copy_(0, idx[0], self._last_tokens.index_select(0, idx[1]).to(ids.dtype))
+        step_inputs.fill_pending(ids, a, batch.chunks, self._last_tokens, self._last_rows)
 
     @torch.inference_mode()
     def forward_logits(self, batch: StepBatch, ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -321,8 +300,8 @@ class TorchRunner(ModelRunner):
         next step's PENDING inputs and are copied back asynchronously for `result`."""
         if batch.finished_req_ids:
             self.sampler.drop(batch.finished_req_ids)
-            if self.mtp is not None:
-                self.mtp.drop(batch.finished_req_ids)
+            if self.head is not None:
+                self.head.drop(batch.finished_req_ids)
         self._t_start = None
         logits, hidden, x, layout, a = self._forward(batch)
         plp = None
@@ -332,8 +311,8 @@ class TorchRunner(ModelRunner):
             plp = (asking, self._prompt_logprobs(hidden, x, min(k, self.vocab_size)))
         sampled = [c for c in batch.chunks if c.sample]
         reqs = [c.request for c in sampled]
-        if any(c.token_bitmask is not None for c in sampled):
-            self._constrain(logits, sampled)
+        if any(c.token_bitmask is not None for c in sampled):  # structured output
+            step_inputs.apply_bitmasks(logits, sampled, self.vocab_size, self.uploader)
         num_new = rows = num_new_dev = None
         if any(c.draft_token_ids for c in sampled):  # verification (serial steps: no PENDING follows)
             out_index = [c.start + c.num_tokens - len(c.draft_token_ids) - c.request.num_prompt_tokens for c in sampled]
@@ -345,16 +324,11 @@ class TorchRunner(ModelRunner):
         else:
             tokens, lps = logits.new_zeros(0, dtype=torch.long), None
         self._last_tokens, self._last_rows = tokens, {r.req_id: i for i, r in enumerate(reqs)}
-        if self.mtp is not None and not batch.proposer_state:  # no proposals next step: skip the module
-            self.mtp.drop([r.req_id for r in reqs])  # their kept outputs are now stale
-        elif self.mtp is not None:  # the MTP module's K/V at this step's positions (mtp.py)
-            kv = self.kv_cache.layer(self.model_config.num_hidden_layers)
-            run = None
-            if x is None:  # a replayed graph: its inputs, and the module's own graph when captured
-                x = self.graphs.inputs()
-                run = self.graphs.replay_mtp if self.graphs.mtp_graphs else None
-            a = a if a is not None else host_arrays(batch.chunks, self.block_size)  # (after the launch)
-            self.mtp.extend(batch.chunks, a, hidden, x, layout, tokens, num_new_dev if rows else None, kv, run)
+        if self.head is not None and not batch.proposer_state:  # no proposals next step: skip the head
+            self.head.drop([r.req_id for r in reqs])  # what it kept for them is now stale
+        elif self.head is not None:
+            step = target_step(batch.chunks, hidden, x, layout, a, tokens, num_new_dev, self.graphs, self.block_size)
+            self.head.after_step(step)
         host = self._to_host(tokens)
         if plp is not None:  # copied with the tokens: result() must not wait on the next step's work
             plp = (plp[0], tuple(self._to_host(t) for t in plp[1]))
@@ -363,21 +337,6 @@ class TorchRunner(ModelRunner):
             end = torch.cuda.Event(enable_timing=True)
             end.record()
         return _Launched(host, tokens, lps, self._t_start, end, plp, rows, num_new)
-
-    def _constrain(self, logits: torch.Tensor, sampled: list[SeqChunk]) -> None:
-        """Structured output: -inf, in place, for every token a chunk's grammar does not allow next
-        (its bitmask, base.py; the same for each of its rows)."""
-        words = -(-self.vocab_size // 32)
-        rows = np.full((logits.shape[0], words), -1, dtype=np.int32)  # all bits set: unconstrained
-        r = 0
-        for c in sampled:
-            if c.token_bitmask is not None:
-                rows[r : r + c.num_sampled_rows] = c.bitmask()
-            r += c.num_sampled_rows
-        (dev,) = self.uploader.upload([rows])
-        shifts = torch.arange(32, device=self.device, dtype=torch.int32)
-        allowed = ((dev.unsqueeze(-1) >> shifts) & 1).view(rows.shape[0], words * 32)[:, : self.vocab_size]
-        logits.masked_fill_(allowed == 0, float("-inf"))
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """An asynchronous copy into pinned memory (on CUDA), readable once the step's end event is."""
@@ -419,10 +378,8 @@ class TorchRunner(ModelRunner):
         return self.result(self.submit(batch))
 
     def build_proposer(self, config: Config):
-        if config.speculate_method == "mtp":
-            from llmserve.runners.torch.mtp import MTPProposer
-
-            return MTPProposer(self)
+        if self.head is not None:  # built with the runner (its KV layers, its graphs)
+            return self.head
         if config.speculate_method == "draft":
             from llmserve.runners.torch.draft import DraftModelProposer
 
