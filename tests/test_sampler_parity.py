@@ -9,7 +9,9 @@ references) draw the same tokens from the same logits, seed, request and output 
   (two noisy scores, or top_p and a nucleus mass, within 1e-5 in float64): engine/draw.py's one
   remaining difference, allowed in at most 1% of the rows and reported;
 - chi-square: the shared draw follows softmax(logits / T) cut to top-k and the nucleus, over consecutive
-  seeds and over the output indices of one seed, and the test rejects the distribution without the cut.
+  seeds and over the output indices of one seed, and the test rejects the distribution without the cut;
+- through the engine, one tiny checkpoint on the Paddle runner and on the torch runner (CPU): seeded
+  sampled requests generate the same tokens.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from llmserve.engine.sampling_params import SamplingParams
 from llmserve.kernels.sampling import _noise_ref
 from llmserve.layers.sampler import DeviceSampler
 from tests.test_spec_sampling import ALPHA, TINY, gof, ref_probs
+from tests.test_speculative import make_engine, run
 
 CPU = torch.device("cpu")
 
@@ -216,3 +219,34 @@ def test_draws_follow_the_cut_softmax(stream, fresh_seed):
     assert pv > ALPHA, f"{stream}, {p}: {why}"
     pv, why = gof(counts, uncut)  # power: the same draws are far from the distribution without the cuts
     assert pv < TINY, f"{stream}, {p}: no power against the uncut softmax: {why}"
+
+
+# ---------------------------------------------------------------- through the engine, on either runner
+
+
+@pytest.fixture(scope="module")
+def models(tiny_hf_dir, tmp_path_factory) -> dict[str, str]:
+    """One tiny checkpoint for each runner: the HF directory (torch) and its Paddle export."""
+    export = pytest.importorskip("llmserve.models.export", reason="the Paddle export needs paddle")
+    return {"torch": str(tiny_hf_dir), "paddle": str(export.export_hf(tiny_hf_dir, tmp_path_factory.mktemp("paddle")))}
+
+
+def test_a_seeded_request_draws_the_same_tokens_on_either_runner(models, fresh_seed):
+    """The same checkpoint served by the Paddle runner (host sampler) and the torch runner (device sampler,
+    CPU): seeded sampled requests with every setting generate the same tokens. The two models' logits agree
+    to float32 rounding only, as the two samplers' noise does: a differing token would need a near-tie."""
+    rng = np.random.default_rng(fresh_seed)
+    vocab = make_engine(models, "torch").runner.vocab_size
+    settings = [v for v in SETTINGS.values() if v is not None and "logit_bias" not in v]
+    reqs = []
+    for i in range(12):
+        kw = dict(settings[i % len(settings)])
+        kw.setdefault("seed", int(rng.integers(0, 1 << 62)))
+        if i % 4 == 3:
+            kw["logit_bias"] = {int(t): float(rng.uniform(-3, 3)) for t in rng.integers(0, vocab, 4)}
+        prompt = rng.integers(0, vocab, int(rng.integers(2, 30))).tolist()
+        reqs.append((f"r{i}", prompt, SamplingParams(max_tokens=24, ignore_eos=True, **kw)))
+    out = {kind: run(make_engine(models, kind), reqs) for kind in ("paddle", "torch")}
+    for rid, _, p in reqs:
+        assert out["paddle"][rid][0] == out["torch"][rid][0], f"{rid} ({p})"
+    assert len({t for toks, _, _ in out["torch"].values() for t in toks}) > 24  # it really sampled
