@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmserve.engine.draw import MIN_EXP, draw, inverse_temperature, mix_key, uniforms
+from llmserve.engine.draw import MIN_EXP, draw, inverse_temperature, kept, mix_key, uniforms
 from llmserve.engine.request import Request
 from llmserve.engine.runner_contract import SeqChunk
 from llmserve.engine.sampler import Sampler
@@ -69,6 +69,7 @@ SETTINGS = {
     "logprobs": dict(temperature=0.6, top_p=0.95, logprobs=5),
     "unseeded": dict(temperature=1.0, top_k=30, seed=None),
     "ties": dict(temperature=1.0, top_k=40, top_p=0.7),  # integer logits: many equal at the k-th value
+    "flat": dict(temperature=1.0, top_p=0.95),  # a nucleus of thousands: the host sorts past its first guess
     "mixed": None,  # each request its own settings: cut and uncut rows in one batch
 }
 
@@ -83,10 +84,12 @@ def mixed_params(rng: np.random.Generator, V: int) -> dict:
 
 
 def make_batch(setting: str, rng: np.random.Generator, n: int):
-    V = int(rng.integers(50, 3000))
+    V = int(rng.integers(2000, 6000) if setting == "flat" else rng.integers(50, 3000))
     logits = (rng.normal(size=(n, V)) * rng.uniform(1.0, 3.0)).astype(np.float32)
     if setting == "ties":
         logits = np.round(logits)
+    if setting == "flat":
+        logits *= np.float32(0.1)
     reqs = []
     for i in range(n):
         kw = dict(mixed_params(rng, V) if SETTINGS[setting] is None else SETTINGS[setting])
@@ -177,6 +180,25 @@ def test_verification_draws_the_same_tokens_on_both(fresh_seed):
     same = sum(h == d for h, d in zip(host, device))
     assert same >= len(chunks) - 2, f"{len(chunks) - same} of {len(chunks)} chunks differ"
     assert sum(len(h) for h in host) > len(chunks) + 10  # drafts were kept
+
+
+def test_the_partial_sort_cuts_as_a_full_sort(fresh_seed):
+    """engine/draw.py sorts only as far as the nucleus reaches: the same tokens as the definition over a
+    full stable sort, for flat rows with nuclei of thousands and for rows full of equal logits."""
+    rng = np.random.default_rng(fresh_seed)
+    for trial in range(12):
+        V = int(rng.integers(2000, 40000))
+        x = (rng.normal(size=V) * rng.uniform(0.05, 1.0)).astype(np.float32)
+        if trial % 3 == 0:
+            x = np.round(x * 4) / 4
+        top_p = float(rng.uniform(0.1, 0.99))
+        order = np.argsort(-x, kind="stable")
+        e = np.exp(x - x.max())
+        probs = e[order] * (np.float32(1.0) / e.sum(dtype=np.float32))
+        before = np.cumsum(probs, dtype=np.float64).astype(np.float32) - probs
+        keep = before < np.float32(top_p)
+        keep[0] = True
+        assert np.array_equal(kept(x, 0, top_p), order[keep]), (trial, V, top_p)
 
 
 # ---------------------------------------------------------------- the draws' distribution

@@ -76,29 +76,50 @@ def inverse_temperature(temperature: float) -> np.float32:
     return np.float32(1.0 / temperature)
 
 
+def best(scaled: np.ndarray, k: int) -> np.ndarray:
+    """The ids of the k best of `scaled`, in stable descending order (equal values: the lower id first),
+    with a partial sort of the row: what a stable descending sort's first k are."""
+    V = scaled.shape[0]
+    if k >= V:
+        return np.argsort(-scaled, kind="stable")
+    kth = np.partition(scaled, V - k)[V - k]
+    above = np.flatnonzero(scaled > kth)
+    cand = np.concatenate([above, np.flatnonzero(scaled == kth)[: k - len(above)]])
+    return cand[np.lexsort((cand, -scaled[cand]))]
+
+
 def kept(scaled: np.ndarray, top_k: int, top_p: float) -> np.ndarray | None:
-    """Token ids (ascending) that the top-k and nucleus cuts keep of temperature-scaled float32 logits;
-    None when neither cuts (every token is kept)."""
+    """Token ids that the top-k and nucleus cuts keep of temperature-scaled float32 logits (in descending
+    order of their logits); None when neither cuts (every token is kept)."""
     V = scaled.shape[0]
     k = top_k if 0 < top_k < V else V
     if k == V and top_p >= 1.0:
         return None
-    if k < V:  # the k best, ties at the k-th value broken by the lower id (a stable descending sort)
-        kth = np.partition(scaled, V - k)[V - k]
-        above = np.flatnonzero(scaled > kth)
-        cand = np.concatenate([above, np.flatnonzero(scaled == kth)[: k - len(above)]])
-    else:
-        cand = np.arange(V)
-    order = cand[np.lexsort((cand, -scaled[cand]))]
     if top_p >= 1.0:
-        return np.sort(order)
-    vals = scaled[order]
-    e = np.exp(vals - vals[0])
-    probs = e * (np.float32(1.0) / e.sum(dtype=np.float32))
+        return best(scaled, k)
+    top = np.float32(top_p)
+    if k < V:  # the softmax of what top-k kept
+        order = best(scaled, k)
+        e = np.exp(scaled[order] - scaled[order[0]])
+        inv = np.float32(1.0) / e.sum(dtype=np.float32)
+    else:  # the softmax of the whole row, but sorted only as far as the nucleus reaches
+        e_all = np.exp(scaled - scaled.max())
+        inv = np.float32(1.0) / e_all.sum(dtype=np.float32)
+        m = min(V, 1024)
+        while True:
+            order = best(scaled, m)
+            e = e_all[order]
+            if m == V:
+                break
+            last = np.cumsum(e * inv, dtype=np.float64)[-1].astype(np.float32) - e[-1] * inv
+            if last >= top:  # the prefix's last token is dropped, so is every one after it
+                break
+            m = min(V, 4 * m)
+    probs = e * inv
     before = np.cumsum(probs, dtype=np.float64).astype(np.float32) - probs
-    keep = before < np.float32(top_p)
+    keep = before < top
     keep[0] = True
-    return np.sort(order[keep])
+    return order[keep]
 
 
 def draw(scaled: np.ndarray, key: int, top_k: int = 0, top_p: float = 1.0) -> int:
@@ -108,7 +129,7 @@ def draw(scaled: np.ndarray, key: int, top_k: int = 0, top_p: float = 1.0) -> in
         scores = scaled + gumbel(uniforms(key, np.arange(scaled.shape[0])))
         return int(np.argmax(scores))
     scores = scaled[ids] + gumbel(uniforms(key, ids))
-    return int(ids[np.argmax(scores)])  # ids ascend: the first maximum is the lowest id
+    return int(ids[scores == scores.max()].min())  # equal scores: the lower id, as an argmax over the row
 
 
 class RequestSeeds:
