@@ -12,8 +12,8 @@ A sampled row (after logit bias, penalties and the min_tokens ban) draws
   g(u) = -log(max(-log u, MIN_EXP)), Gumbel noise (float32).
 - kept tokens: all, or the top_k best (stable descending order: ties keep the lower id), then the
   nucleus among those: a token is dropped when the float32 mass of the tokens before it in that order
-  (softmax of the top-k-cut scaled logits; prefix sums in float64, as torch sums on the CPU) is >= float32(top_p),
-  the first token always kept. Ties of the noisy score go to the lower token id.
+  (softmax of the top-k-cut scaled logits; prefix sums in float64, as torch sums on the CPU) is
+  >= float32(top_p), the first token always kept. Ties of the noisy score go to the lower token id.
 
 This module is its numpy form (the host sampler, engine/sampler.py). The device sampler
 (layers/sampler.py) runs the same definitions in torch: the noise in kernels/sampling.py (its torch
