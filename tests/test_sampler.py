@@ -99,10 +99,12 @@ def test_top_p_never_leaves_the_nucleus():
         order = np.argsort(-probs, kind="stable")
         mass_before = np.cumsum(probs[order]) - probs[order]
         nucleus = set(order[mass_before < top_p].tolist()) | {int(order[0])}
-        req = _req(f"r{trial}", SamplingParams(temperature=1.0, top_p=top_p))
-        for _ in range(200):
-            tok = s.sample(logits[None], [req])[0][0]
-            assert tok in nucleus
+        drawn = set()
+        for i in range(200):  # a draw is a function of (seed, output index): each its own seed
+            req = _req(f"r{trial}.{i}", SamplingParams(temperature=1.0, top_p=top_p, seed=trial * 1000 + i))
+            drawn.add(s.sample(logits[None], [req])[0][0])
+        assert drawn <= nucleus
+        assert len(drawn) > 1 or len(nucleus) == 1
 
 
 def test_top_k_and_temperature_follow_softmax():
@@ -110,10 +112,9 @@ def test_top_k_and_temperature_follow_softmax():
     logits = rng.normal(size=V).astype(np.float32)
     k, temp, n = 5, 0.7, 6000
     s = Sampler(seed=int(rng.integers(1 << 30)))
-    req = _req("a", SamplingParams(temperature=temp, top_k=k))
     counts = np.zeros(V)
-    for _ in range(n):
-        counts[s.sample(logits[None], [req])[0][0]] += 1
+    for i in range(n):  # unseeded requests: the sampler draws each its own seed
+        counts[s.sample(logits[None], [_req(f"a{i}", SamplingParams(temperature=temp, top_k=k))])[0][0]] += 1
     top = np.argsort(-logits)[:k]
     assert counts.sum() == counts[top].sum()
     p = np.exp((logits[top] - logits[top].max()) / temp)

@@ -1,17 +1,19 @@
 """Host-side sampler (numpy): logit bias, penalties, min length, temperature, top-k, top-p, seeds.
 
-Used by runners whose logits come back to the host (the Paddle runner). The
-CUDA runner implements the same definitions on the device.
-
-Every request draws from its own generator, so a seeded request gives the
-same tokens whatever else is in the batch, and preemption (which recomputes
-but does not resample) does not disturb it.
+Used by runners whose logits come back to the host (the Paddle runner). It runs the algorithm of
+engine/draw.py, as the torch runner's device sampler (layers/sampler.py) does, with the same float32
+operations in the same order (bias, penalties, ban, scaling by float32(1 / temperature), cuts,
+Gumbel-max over the counter-based noise keyed by (seed, output index)): for the same logits, seed,
+request and position both draw the same token, except where log / exp rounding differs (engine/draw.py
+says where). No request has a generator: a draw is a function of its key, so a seeded request gives the
+same tokens whatever else is in the batch, after preemption, and with or without speculation.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from llmserve.engine.draw import RequestSeeds, draw, inverse_temperature, mix_key
 from llmserve.engine.request import Request
 from llmserve.engine.runner_contract import SeqChunk, TokenLogprobs
 from llmserve.engine.sampling_params import SamplingParams
@@ -35,21 +37,18 @@ def apply_penalties(
     repetition_penalty (penalty_score) applies to every token seen in the prompt
     or the output: positive logits are divided by it, negative ones multiplied.
     frequency/presence penalties apply to output tokens: logit -= f * count + p * (count > 0).
+    In float32, rounded as the device sampler rounds: (logit - f * count) - p.
     """
     if params.repetition_penalty != 1.0:
+        rep = np.float32(params.repetition_penalty)
         seen = np.unique(np.asarray(prompt_ids + output_ids, dtype=np.int64))
         vals = logits[seen]
-        logits[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+        logits[seen] = np.where(vals > 0, vals / rep, vals * rep)
     if output_ids and (params.frequency_penalty or params.presence_penalty):
         ids, counts = np.unique(np.asarray(output_ids, dtype=np.int64), return_counts=True)
-        logits[ids] -= params.frequency_penalty * counts + params.presence_penalty
+        freq = np.float32(params.frequency_penalty) * counts.astype(np.float32)
+        logits[ids] = (logits[ids] - freq) - np.float32(params.presence_penalty)
     return logits
-
-
-def nucleus_mask(probs_sorted: np.ndarray, top_p: float) -> int:
-    """How many of the descending-sorted probabilities the nucleus keeps (at least one)."""
-    before = np.cumsum(probs_sorted) - probs_sorted  # mass strictly before each token
-    return max(1, int(np.count_nonzero(before < top_p)))
 
 
 def log_softmax(x: np.ndarray) -> np.ndarray:
@@ -60,14 +59,13 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self._seed_seq = np.random.SeedSequence(seed)
-        self._rngs: dict[str, np.random.Generator] = {}
+        self._seeds = RequestSeeds(seed)
         # req_id -> (its logit_bias dict, that dict as arrays): the bias is fixed for a request's life
         self._bias: dict[str, tuple[dict[int, float], np.ndarray, np.ndarray]] = {}
 
     def drop(self, req_ids: list[str]) -> None:
         for rid in req_ids:
-            self._rngs.pop(rid, None)
+            self._seeds.drop(rid)
             self._bias.pop(rid, None)
 
     def _bias_of(self, req: Request, vocab: int) -> tuple[np.ndarray, np.ndarray]:
@@ -76,14 +74,6 @@ class Sampler:
         if cached is None or cached[0] is not req.params.logit_bias:
             cached = self._bias[req.req_id] = (req.params.logit_bias, *bias_arrays(req.params.logit_bias, vocab))
         return cached[1], cached[2]
-
-    def _rng(self, req: Request) -> np.random.Generator:
-        rng = self._rngs.get(req.req_id)
-        if rng is None:
-            seed = req.params.seed
-            rng = np.random.default_rng(seed if seed is not None else self._seed_seq.spawn(1)[0])
-            self._rngs[req.req_id] = rng
-        return rng
 
     def sample(
         self, logits: np.ndarray, requests: list[Request]
@@ -102,9 +92,9 @@ class Sampler:
         self, logits: np.ndarray, chunks: list[SeqChunk]
     ) -> tuple[list[list[int]], list[list[TokenLogprobs] | None] | None]:
         """Tokens of sampling chunks from their rows of logits (`num_sampled_rows` each, in order),
-        verifying drafts as engine/runner_contract.py says: row j is sampled as if drafts[:j] were output, and
-        the rows after the first mismatch are never drawn, so the request's generator advances
-        exactly as it would without speculation (a seeded request draws the same tokens)."""
+        verifying drafts as engine/runner_contract.py says: row j is sampled as if drafts[:j] were output (its key
+        is that of output index len(output) + j), and the rows after the first mismatch are not drawn;
+        a seeded request draws the tokens it draws without speculation."""
         tokens: list[list[int]] = []
         logprobs: list[list[TokenLogprobs] | None] = []
         r = 0
@@ -142,7 +132,8 @@ class Sampler:
         if p.greedy:
             token = int(np.argmax(row))
         else:
-            token = self._draw(row / p.temperature, p, self._rng(req))
+            key = mix_key(self._seeds.of(req.req_id, p.seed), len(output))
+            token = draw(row * inverse_temperature(p.temperature), key, p.top_k, p.top_p)
         lp = None
         if p.logprobs is not None:
             # Logprobs of the processed logits before temperature: the bias shows in them, as the
@@ -151,20 +142,3 @@ class Sampler:
             top = np.argsort(-ls, kind="stable")[: p.logprobs]
             lp = TokenLogprobs(float(ls[token]), [(int(t), float(ls[t])) for t in top])
         return token, lp
-
-    @staticmethod
-    def _draw(scaled: np.ndarray, p: SamplingParams, rng: np.random.Generator) -> int:
-        # Sort once (stable, so ties break by token id); top-k and top-p are prefixes of it.
-        # With top-k, only the k best are sorted (a partial sort of the vocabulary first).
-        if p.top_k and p.top_k < scaled.shape[0]:
-            best = np.argpartition(-scaled, p.top_k - 1)[: p.top_k]
-            order = best[np.lexsort((best, -scaled[best]))]
-        else:
-            order = np.argsort(-scaled, kind="stable")
-        vals = scaled[order]
-        probs = np.exp(vals - vals[0])
-        probs /= probs.sum()
-        keep = nucleus_mask(probs, p.top_p) if p.top_p < 1.0 else len(probs)
-        cdf = np.cumsum(probs[:keep])
-        idx = int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"))
-        return int(order[min(idx, keep - 1)])

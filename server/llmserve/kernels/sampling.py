@@ -6,6 +6,11 @@ request draws the same token whatever batch it runs in, and no per-request
 generator (nor host sync) is needed. Rows with `inv_temp == 0` mean greedy:
 plain argmax, no noise. The hash is 32-bit integer mixing done in int64 so
 that the torch reference and the kernel produce the same bits.
+
+The algorithm is engine/draw.py's (its keys `mix_key`, its numpy form of the same noise, run by the
+host sampler); kernels may not import the engine, so the hash constants and MIN_EXP are repeated here,
+and tests/test_sampler_parity.py checks that both give the same uniforms bit for bit. The logs of the
+noise are float32 and rounded as each library rounds them (the kernel's is the GPU's fast log).
 """
 
 from __future__ import annotations
@@ -24,15 +29,6 @@ M32 = 0xFFFFFFFF
 # -log(1 - 2**-24), the smallest exponential the noise gives: a floor for it keeps the Gumbel noise
 # finite (<= 16.7) should a fast approximate log round -log(u) to 0 (or below) for u near 1.
 MIN_EXP = 5.9604645e-08
-
-
-def mix_key(seed: int, index: int) -> int:
-    """32-bit key of (request seed, output index); host side."""
-    x = (seed * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9 + 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 31
-    x = (x * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    x ^= x >> 29
-    return x & M32
 
 
 def _noise_ref(keys: torch.Tensor, vocab: int) -> torch.Tensor:

@@ -9,6 +9,9 @@ tokens whose preceding mass is under top_p, at least one), logprobs of the
 penalised logits. Draws use the Gumbel-max trick with noise hashed from
 (request seed, output index, token id) (kernels/sampling.py), so a seeded
 request reproduces in any batch and no request needs its own generator.
+The algorithm, its keys and seeds are engine/draw.py's, which the host sampler
+runs in numpy: both draw the same tokens from the same logits, seed and output
+index, but for the log / exp rounding that engine/draw.py describes.
 
 Per step the host uploads one small parameter block; penalty counts live on
 the device per request and are updated with each request's new tokens, so a
@@ -33,20 +36,15 @@ No step of it waits for the device.
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import torch
 
+from llmserve.engine.draw import DRAFT_STREAM, RequestSeeds, mix_key
 from llmserve.engine.request import Request
 from llmserve.engine.runner_contract import SeqChunk, TokenLogprobs
 from llmserve.engine.sampler import bias_arrays
-from llmserve.kernels.sampling import M32, argmax, gumbel_argmax, mix_key
+from llmserve.kernels.sampling import M32, argmax, gumbel_argmax
 from llmserve.layers.penalties import PenaltyState
-
-# Salts the seeds of a draft model's draws (`propose`) away from the target's: the draft's proposals must
-# be independent of the target's acceptance uniforms and residual draws at the same output index.
-DRAFT_STREAM = 0x6A09E667F3BCC908
 
 
 def _uniform(keys: torch.Tensor) -> torch.Tensor:
@@ -67,8 +65,7 @@ class DeviceSampler:
         self.vocab = vocab_size
         self.device = device
         self.penalties = PenaltyState(vocab_size, device)
-        self._seed_rng = random.Random(seed)
-        self._seeds: dict[str, int] = {}  # engine-drawn seeds of requests without their own
+        self._seeds = RequestSeeds(seed)  # engine-drawn seeds of requests without their own (engine/draw.py)
         # req_id -> (its logit_bias dict, [2, n] float64 host block of token ids and biases): built
         # once per request, as its bias never changes.
         self._bias: dict[str, tuple[dict[int, float], np.ndarray]] = {}
@@ -78,16 +75,11 @@ class DeviceSampler:
         # Unseeded requests keep their drawn seed across preemption: it is only forgotten
         # when the request is gone (a new request with the same id draws afresh).
         for rid in req_ids:
-            self._seeds.pop(rid, None)
+            self._seeds.drop(rid)
             self._bias.pop(rid, None)
 
     def _seed(self, req: Request) -> int:
-        if req.params.seed is not None:
-            return req.params.seed
-        s = self._seeds.get(req.req_id)
-        if s is None:
-            s = self._seeds[req.req_id] = self._seed_rng.getrandbits(63)
-        return s
+        return self._seeds.of(req.req_id, req.params.seed)
 
     def sample(
         self, logits: torch.Tensor, reqs: list[Request], out_index: list[int] | None = None
