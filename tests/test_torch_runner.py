@@ -503,7 +503,11 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
         eager = runner.model.logits(
             runner.model.forward(x.input_ids, x.positions, x.slot_mapping, x.meta, runner.kv_cache)
         )
-    torch.testing.assert_close(graph_logits, eager, rtol=1e-2, atol=1e-2)
+    # The graph replays the kernels the eager step launches, over the same inputs; the graph's bucket pads the
+    # batch with rows of its own, and every kernel computes a row independently of the others (the GEMVs and
+    # skinny products: test_gemv's "a row is its own product"; attention: a sequence's own blocks), so the
+    # logits are the same bits. (GPU only: unverified on the CPU, where there are no CUDA graphs.)
+    assert torch.equal(graph_logits, eager), (graph_logits - eager).abs().max()
 
 
 @gpu
