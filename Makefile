@@ -5,6 +5,9 @@ VENV := .venv
 BIN := $(VENV)/bin
 # The CPU build of torch is what the tests need; pin it so pip does not pull CUDA wheels.
 TORCH_CPU ?= torch==2.13.0
+# The CPU wheel of torch brings no triton; the tests run the Triton kernels under its interpreter
+# (TRITON_INTERPRET=1, on the CPU). 3.7.1 is the version torch 2.13's CUDA wheel pins.
+TRITON_CPU ?= triton==3.7.1
 
 .PHONY: venv test lint format serve demo clean
 
@@ -14,6 +17,7 @@ $(BIN)/llmserve: pyproject.toml
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "$(TORCH_CPU)" || $(BIN)/pip install -q --index-url https://download.pytorch.org/whl/cpu torch
+	$(BIN)/pip install -q "$(TRITON_CPU)"
 	$(BIN)/pip install -q -e ".[serve,test]"
 	touch $@
 

@@ -130,12 +130,13 @@ def test_past_the_free_part_the_idle_device_is_charged_to_the_budget(core):
     took = time.perf_counter() - t
     stats = c.arrivals.stats
     assert stats.extended == 1 and stats.by_arrivals == 0
-    assert stats.idle_s == pytest.approx(took, abs=0.02) and took <= CAP_S + 0.02
+    # What is charged is the idle time inside this wait: some, and no more than the wait took. (Not "about CAP_S":
+    # how far a poll overruns its timeout depends on the machine's load.) A hang guard: CAP_S is 50 ms.
+    assert 0 < stats.idle_s <= took < 30
     assert c.arrivals.bucket == pytest.approx(BUCKET_S - stats.idle_s)
     c.arrivals.charge(c.arrivals.bucket)  # spent: the next wait ends with its free part
-    t = time.perf_counter()
     c._await_successors(finished=1, free=0.0, since=time.monotonic())
-    assert time.perf_counter() - t < 0.01 and stats.extended == 1
+    assert stats.extended == 1 and stats.by_arrivals == 0  # not extended: it ended with its free part
 
 
 def test_step_times_are_kept_by_size():

@@ -51,8 +51,8 @@ LLAMA3_ROPE = {
 }
 
 
-def write_checkpoint(path, arch: str, dtype, shard: bool, **overrides):
-    torch.manual_seed(len(str(path)))
+def write_checkpoint(path, arch: str, dtype, shard: bool, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
     if arch == "llama":
         cfg = transformers.LlamaConfig(**{**COMMON, "rope_theta": 500000.0, **overrides})
         model = transformers.LlamaForCausalLM(cfg)
@@ -97,13 +97,13 @@ def paged_logits(model_dir, tokens: list[int], prompt_len: int) -> np.ndarray:
     ],
     ids=["llama", "llama-tied-sharded", "qwen2-sharded", "qwen2-bf16-tied", "llama3-rope-scaling"],
 )
-def test_exported_graph_matches_transformers(tmp_path, arch, dtype, shard, extra):
+def test_exported_graph_matches_transformers(tmp_path, arch, dtype, shard, extra, fresh_seed):
     hf_dir, out = tmp_path / "hf", tmp_path / "out"
-    write_checkpoint(hf_dir, arch, getattr(torch, dtype), shard, **extra)
+    write_checkpoint(hf_dir, arch, getattr(torch, dtype), shard, seed=fresh_seed, **extra)
     assert (hf_dir / "model.safetensors.index.json").is_file() == shard
     export_hf(hf_dir, out)
 
-    tokens = [int(t) for t in np.random.default_rng(0).integers(0, 300, 30)]
+    tokens = [int(t) for t in np.random.default_rng(fresh_seed).integers(0, 300, 30)]
     want = hf_logits(hf_dir, tokens)
     got, positions = paged_logits(out, tokens, prompt_len=17)
     np.testing.assert_allclose(got, want[positions], rtol=1e-4, atol=1e-4)

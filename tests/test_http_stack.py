@@ -269,10 +269,13 @@ def test_openai_features_end_to_end(stack):
     assert sorted(c.index for c in many.choices) == list(range(6))
     # A stop string cuts the text before it and finishes with "stop".
     full = client.completions.create(model="default", prompt="Once", max_tokens=20, temperature=0).choices[0].text
-    stop = full[len(full) // 2 : len(full) // 2 + 2]
-    if stop.strip():
-        cut = client.completions.create(model="default", prompt="Once", max_tokens=20, temperature=0, stop=[stop])
-        assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    # From the middle on, the first two characters that are not all whitespace (a whitespace stop string would be
+    # a different case: the text's first whitespace run may come before the middle).
+    at = next((i for i in range(len(full) // 2, len(full) - 1) if full[i : i + 2].strip()), None)
+    assert at is not None, f"no stop string to cut at in {full!r}"
+    stop = full[at : at + 2]
+    cut = client.completions.create(model="default", prompt="Once", max_tokens=20, temperature=0, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
     echo = client.completions.create(model="default", prompt="Once", max_tokens=3, temperature=0, echo=True)
     assert echo.choices[0].text.startswith("Once")
     # Token-id prompts are echoed through the front end's tokenizer.

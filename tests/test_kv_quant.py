@@ -149,11 +149,11 @@ def test_kv_cache_spec():
 
 
 @pytest.mark.parametrize("quant", QUANTS)
-def test_reference_write_bounds(quant):
+def test_reference_write_bounds(quant, fresh_seed):
     """(a) Every written vector dequantizes within the format's bound; scales are absmax / QMAX; a zero
     vector comes back as exact zeros; q is rotated as by the unquantized write."""
     qdt, qmax = QUANTS[quant], QUANT_MAX[QUANTS[quant]]
-    q, (k, v, ks, vs), (k32, v32, q32) = write_caches(qdt, H, KVH, D, BS, NB, seed=3, spread=3.0, outlier=30.0)
+    q, (k, v, ks, vs), (k32, v32, q32) = write_caches(qdt, H, KVH, D, BS, NB, seed=fresh_seed, spread=3.0, outlier=30.0)
     worst = 0.0
     for x, xq, s in ((k32, k, ks), (v32, v, vs)):
         a = x.abs().amax(-1)
@@ -195,15 +195,15 @@ def test_int8_rounds_half_to_even():
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("quant", QUANTS)
-def test_reference_attention_over_quantized_cache(quant, layout):
+def test_reference_attention_over_quantized_cache(quant, layout, fresh_seed):
     """(b) paged_attention_ref over a quantized cache (shuffled blocks, GQA) equals an independent dense
     float64 attention over the dequantized K/V; (c) its error against the unquantized K/V is small."""
     qdt = QUANTS[quant]
-    _, (k, v, ks, vs), (k32, v32, _) = write_caches(qdt, H, KVH, D, BS, NB, seed=11)
+    _, (k, v, ks, vs), (k32, v32, _) = write_caches(qdt, H, KVH, D, BS, NB, seed=fresh_seed)
     ctx, q_lens, splits = LAYOUTS[layout]
-    meta = make_meta(ctx, q_lens, BS, H, KVH, splits, seed=5, max_blocks=NB)
+    meta = make_meta(ctx, q_lens, BS, H, KVH, splits, seed=fresh_seed + 1, max_blocks=NB)
     T = int(sum(q_lens))
-    q = torch.randn(T, H, D, generator=torch.Generator().manual_seed(2))
+    q = torch.randn(T, H, D, generator=torch.Generator().manual_seed(fresh_seed + 2))
     out = paged_attention_ref(q, k, v, meta, D**-0.5, torch.float32, ks, vs)
     dense = dense_attention(q, k, v, ks, vs, meta, D**-0.5)
     torch.testing.assert_close(out.double(), dense, rtol=1e-5, atol=1e-5)
@@ -234,11 +234,12 @@ def _check_writes(got, want, exact):
 
 @needs_kernels
 @pytest.mark.parametrize("quant", QUANTS)
-def test_rope_kernel_quantized(quant):
+def test_rope_kernel_quantized(quant, fresh_seed):
     qdt = QUANTS[quant]
-    nb = 8  # the interpreter runs the kernel's programs one by one
-    got = write_caches(qdt, H, KVH, D, BS, nb, seed=7, write=rope_and_cache, spread=3.0, outlier=30.0, device=DEV)
-    want = write_caches(qdt, H, KVH, D, BS, nb, seed=7, write=rope_and_cache_ref, spread=3.0, outlier=30.0, device=DEV)
+    nb = 4  # the interpreter runs the kernel's programs one by one: 4 blocks of 16 tokens (and 2 padding ones)
+    kw = dict(seed=fresh_seed, spread=3.0, outlier=30.0, device=DEV)
+    got = write_caches(qdt, H, KVH, D, BS, nb, write=rope_and_cache, **kw)
+    want = write_caches(qdt, H, KVH, D, BS, nb, write=rope_and_cache_ref, **kw)
     _check_writes(got[:2], want[:2], exact=not HAS_CUDA)
 
 
@@ -259,15 +260,15 @@ def test_rope_kernel_int8_rounds_half_to_even():
 @needs_kernels
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("quant", QUANTS)
-def test_attention_kernel_quantized(quant, layout):
+def test_attention_kernel_quantized(quant, layout, fresh_seed):
     """The kernel (fp32 q as the model passes it) against the reference (both over the same cache, written
     by the reference: the write kernel is checked above)."""
     qdt = QUANTS[quant]
-    _, (k, v, ks, vs), _ = write_caches(qdt, H, KVH, D, BS, NB, seed=13, device=DEV)
+    _, (k, v, ks, vs), _ = write_caches(qdt, H, KVH, D, BS, NB, seed=fresh_seed, device=DEV)
     ctx, q_lens, splits = LAYOUTS[layout]
-    meta = make_meta(ctx, q_lens, BS, H, KVH, splits, seed=6, device=DEV, max_blocks=NB)
+    meta = make_meta(ctx, q_lens, BS, H, KVH, splits, seed=fresh_seed + 1, device=DEV, max_blocks=NB)
     T = int(sum(q_lens))
-    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=torch.Generator().manual_seed(4)).to(DEV)
+    qkv = torch.randn(T, (H + 2 * KVH) * D, generator=torch.Generator().manual_seed(fresh_seed + 2)).to(DEV)
     q = qkv[:, : H * D].view(T, H, D)  # strided like the model's view
     out = paged_attention(q, k, v, meta, D**-0.5, torch.float32, ks, vs)
     ref = paged_attention_ref(q, k, v, meta, D**-0.5, torch.float32, ks, vs)

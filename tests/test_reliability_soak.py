@@ -240,11 +240,12 @@ def test_soak_mixed_requests(stack):
     by_result: Counter = Counter()
     for key, n in outcomes.items():
         by_result[key.split(":")[1]] += n
-    # The share that completes depends on the machine's speed against the queue limit, and on how soon a
-    # turned-away client is back: the engine server answers 429 at once, also while the engine core runs a
-    # step (before the split it answered between steps), so those clients take more of the fixed request
-    # list (573 of 1,200 completed on a loaded CI box then; 258-358 since).
-    assert by_result["ok"] > N_REQUESTS // 8 and by_result["429"] > 0 and by_result["408"] > 0, by_result
+    # No share of completions is asserted: it is a throughput, the machine's speed against how soon a turned-away
+    # client is back (the engine server answers 429 at once, so a slow engine turns more of the fixed request
+    # list away: 573 of 1,200 completed on a loaded CI box once, 258-358 since), and speed is the benchmarks'
+    # business. What the soak asserts is that each request ended as it must (no `failures`: its whole output or
+    # a clear 429 / 408), that every kind of ending happened, and that nothing leaked (below).
+    assert by_result["ok"] > 0 and by_result["429"] > 0 and by_result["408"] > 0, by_result
     assert by_result["cancelled"] > 0
     assert after_gauges == dict.fromkeys(GAUGES, 0.0)
     for key, slack in BOUND.items():

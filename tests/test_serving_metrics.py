@@ -65,13 +65,15 @@ def test_slow_triton_never_delays_a_scrape_and_ours_stay_live(fake):
     triton = TritonMetrics(fake.url, refresh=0.05, timeout=5.0, max_age=30.0).start()
     try:
         assert wait_until(lambda: b"nv_inference_count 1\n" in engine.exposition(triton))
-        # Triton now takes 2 s per answer (seen on a busy 2-core machine) and has moved on.
-        fake.delay, fake.body = 2.0, b"nv_inference_count 2\n"
+        # Triton now takes 4 s per answer (2 s were seen on a busy 2-core machine) and has moved on.
+        fake.delay, fake.body = 4.0, b"nv_inference_count 2\n"
         time.sleep(0.2)  # a slow fetch is under way
         for used in (3, 5, 0):
             engine.apply(stats(kv_blocks_used=used, cancelled=1))
             text, took = timed(lambda: engine.exposition(triton).decode())
-            assert took < 0.2, took
+            # Not a speed bound: a scrape that waited on the fetch would take the rest of its 4 s (3.8 s at the
+            # first); one that does not takes milliseconds (1 s is a 10x margin over a slow one here).
+            assert took < 1.0, took
             assert "nv_inference_count 1\n" in text  # the last good copy, first
             assert text.index("nv_inference_count") < text.index("llmserve_")
             assert f"llmserve_kv_blocks_used {used:.1f}" in text  # live, not from the copy's time
@@ -89,7 +91,7 @@ def test_triton_gone_is_dropped_after_max_age(fake):
         t0 = time.monotonic()
         assert wait_until(lambda: b"unavailable" in triton.text())
         assert time.monotonic() - t0 > 0.5  # served the last copy for a while, then dropped it
-        text, took = timed(lambda: EngineMetrics().exposition(triton))
-        assert took < 0.2 and text.startswith(b"# Triton metrics unavailable\n") and b"llmserve_" in text
+        text = EngineMetrics().exposition(triton)
+        assert text.startswith(b"# Triton metrics unavailable\n") and b"llmserve_" in text
     finally:
         triton.stop()

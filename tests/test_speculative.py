@@ -380,7 +380,13 @@ def test_cuda_graph_verification_matches_eager(models):
     eager = runner.forward_logits(batch)
     runner.graphs = graphs
     replayed = runner.forward_logits(batch)  # takes the graph path
-    torch.testing.assert_close(replayed, eager, rtol=2e-2, atol=2e-2)
+    # The same kernels over the same inputs (the bucket's padding rows are computed apart from the real ones), but
+    # a verification step of up to 5 tokens a sequence may take a different product kernel for the padded row
+    # count (skinny.py's 2-16 rows against the tensor-core GEMM), a different summation order in fp32 before the
+    # bf16 roundings: within 2 bf16 ulps (2^-7 relative each) at the logits' largest magnitude. (GPU only:
+    # unverified on the CPU, where there are no CUDA graphs.)
+    ulp = 2.0**-7 * eager.float().abs().max()
+    assert (replayed.float() - eager.float()).abs().max() <= 2 * ulp, (replayed - eager).abs().max()
 
 
 def test_ngram_lookup():

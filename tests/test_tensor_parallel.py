@@ -15,6 +15,7 @@ import re
 import time
 
 import pytest
+from conftest import new_seed
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
@@ -27,22 +28,22 @@ from llmserve.serving.testing import free_ports, process_tree  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def llama_dir(tmp_path_factory):
+def llama_dir(tmp_path_factory, request):
     from llmserve.models.demo_tokenizer import train_demo_tokenizer
     from llmserve.models.random_model import SHAPES, write_random_checkpoint
 
     path = tmp_path_factory.mktemp("tp-llama")
-    write_random_checkpoint(path, "tiny", seed=11, device="cpu", dtype=torch.float32, max_positions=512)
+    write_random_checkpoint(path, "tiny", seed=new_seed(request), device="cpu", dtype=torch.float32, max_positions=512)
     train_demo_tokenizer(path, vocab_size=SHAPES["tiny"]["vocab_size"])
     return path
 
 
 @pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory, llama_dir):
+def qwen2_dir(tmp_path_factory, llama_dir, request):
     from tests.test_torch_runner import tiny_checkpoint
 
     path = tmp_path_factory.mktemp("tp-qwen2")
-    tiny_checkpoint(path, "qwen2", seed=12)  # vocabulary 256, tied, q/k/v biases
+    tiny_checkpoint(path, "qwen2", seed=new_seed(request))  # vocabulary 256, tied, q/k/v biases
     for f in llama_dir.glob("tokenizer*"):
         (path / f.name).write_bytes(f.read_bytes())
     return path
@@ -86,10 +87,10 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
         ("llama", (2,), {"speculate_method": "ngram"}),
     ],
 )
-def test_greedy_tokens_match_one_rank(arch, mps, extra, llama_dir, qwen2_dir):
+def test_greedy_tokens_match_one_rank(arch, mps, extra, llama_dir, qwen2_dir, fresh_seed):
     d = llama_dir if arch == "llama" else qwen2_dir
     vocab = 512 if arch == "llama" else 256
-    prompts = prompts_for(vocab)
+    prompts = prompts_for(vocab, seed=fresh_seed)
     if extra.get("speculate_method"):  # repetitive prompts: n-gram proposals get accepted
         prompts = [(p[:12] * 6)[:60] for p in prompts]
     want = [r.token_ids for r in generate(d, 1, prompts, GREEDY, **extra)]

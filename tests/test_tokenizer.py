@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import random
-import time
 from pathlib import Path
 
 import pytest
@@ -62,16 +61,13 @@ def sp_dir(tmp_path_factory) -> Path:
     return d
 
 
-def test_training_is_deterministic_and_fast(tmp_path):
-    start = time.perf_counter()
+def test_training_is_deterministic(tmp_path):
     train_demo_tokenizer(tmp_path / "a")
-    elapsed = time.perf_counter() - start
     train_demo_tokenizer(tmp_path / "b")
     names = sorted(p.name for p in (tmp_path / "a").iterdir())
     assert names == ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
     for name in names:
         assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
-    assert elapsed < 2.0
 
 
 @pytest.mark.parametrize("size", [300, 2048, 6000])

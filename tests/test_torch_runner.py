@@ -10,6 +10,10 @@ from __future__ import annotations
 
 import os
 import random
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -115,17 +119,21 @@ def make_runner(path, **overrides):
     return TorchRunner(str(path), cfg)
 
 
+# fp32 only: on a GPU the runner computes in bf16, whose greedy tokens may part from HF's fp32 ones at a
+# near-tie; there test_step_logits_match_transformers_forward and the GPU tests below compare logits.
+cpu_fp32 = pytest.mark.skipif(HAS_CUDA, reason="greedy-token parity is an fp32 (CPU) check; GPU parity is by logits")
+
+
+@cpu_fp32
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "llama3-rope"])
-def test_greedy_tokens_match_transformers(tmp_path, arch):
-    tiny_checkpoint(tmp_path, arch, seed={"llama": 11, "qwen2": 12}.get(arch, 13))
+def test_greedy_tokens_match_transformers(tmp_path, arch, fresh_seed):
+    tiny_checkpoint(tmp_path, arch, seed=fresh_seed)
     runner = make_runner(tmp_path, block_bs=4)
-    assert runner.dtype == (torch.bfloat16 if HAS_CUDA else torch.float32)
-    rng = np.random.default_rng(3)
+    assert runner.dtype == torch.float32
+    rng = np.random.default_rng(fresh_seed)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (1, 5, 19, 33)]
     reqs = [Request(f"r{i}", p, SamplingParams(max_tokens=10, temperature=0.0)) for i, p in enumerate(prompts)]
-    Driver(runner, chunk=7).run(reqs)
-    if HAS_CUDA:
-        return  # bf16 on a GPU: parity is checked by logits in the GPU test below
+    Driver(runner, chunk=7, seed=fresh_seed).run(reqs)
     hf = (transformers.Qwen2ForCausalLM if arch == "qwen2" else transformers.LlamaForCausalLM).from_pretrained(tmp_path)
     for r, p in zip(reqs, prompts):
         ref = hf.generate(
@@ -134,16 +142,16 @@ def test_greedy_tokens_match_transformers(tmp_path, arch):
         assert r.output_token_ids == ref, r.req_id
 
 
-def test_step_logits_match_transformers_forward(tmp_path):
+def test_step_logits_match_transformers_forward(tmp_path, fresh_seed):
     """Prefill chunks and decode logits against a full HF forward of the same tokens (teacher forcing)."""
-    assert_logits_match_transformers(tmp_path, (13, 2, 40))
+    assert_logits_match_transformers(tmp_path, (13, 2, 40), seed=fresh_seed)
 
 
-def assert_logits_match_transformers(tmp_path, lengths: tuple[int, ...], max_tokens: int = 6) -> None:
-    tiny_checkpoint(tmp_path, "llama", seed=5)
+def assert_logits_match_transformers(tmp_path, lengths: tuple[int, ...], max_tokens: int = 6, seed: int = 5) -> None:
+    tiny_checkpoint(tmp_path, "llama", seed=seed)
     runner = make_runner(tmp_path, block_bs=4)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).to(runner.device)  # fp32 reference
-    rng = np.random.default_rng(9)
+    rng = np.random.default_rng(seed + 1)
     reqs = [
         Request(f"r{i}", rng.integers(0, 256, size=n).tolist(), SamplingParams(max_tokens=max_tokens, temperature=0.0))
         for i, n in enumerate(lengths)
@@ -289,6 +297,16 @@ def test_rope_cache_kernel(H, KVH, D, wide):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
+def _stored(x: float, dtype: torch.dtype) -> torch.Tensor:
+    """x as a store of `dtype` keeps it, as fp32. Round to nearest even (torch, a GPU), except bf16 under
+    Triton's interpreter, which converts fp32 to bf16 by dropping the low 16 bits (runtime/interpreter.py
+    _convert_float): 7e4 is 70144 on a GPU, 69632 there."""
+    t = torch.tensor(x, dtype=torch.float32)
+    if dtype == torch.bfloat16 and not HAS_CUDA and os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON:
+        return (t.view(torch.int32) & ~0xFFFF).view(torch.float32)
+    return t.to(dtype).float()
+
+
 def test_rope_saturates_at_fp16_range_over_fp16_cache():
     """Over an fp16 cache (a bf16 model's) q, k and v beyond fp16's range are saturated when written,
     never inf; over a bf16 or fp32 cache they are kept as they are."""
@@ -309,7 +327,7 @@ def test_rope_saturates_at_fp16_range_over_fp16_cache():
         got = (qkv[:, 0], k[0, 0, :T, D // 2].float(), v[0, 0, :T, 0].float())  # q stays in qkv (fp32)
         want = (65504.0, -65504.0, 65504.0) if dt == torch.float16 else (1e6, -3e5, 7e4)
         for g, w, store in zip(got, want, (torch.float32, dt, dt)):
-            assert g.eq(torch.tensor(w, dtype=store).float()).all(), (dt, g, w)
+            assert g.eq(_stored(w, store)).all(), (dt, g, w)
         assert k.isfinite().all() and v.isfinite().all()
 
 
@@ -396,17 +414,52 @@ def test_argmax_kernel_matches_torch(fresh_seed):
     assert argmax(torch.zeros(0, 10, device=DEV)).shape == (0,)
 
 
+# The kernel tests above, under the interpreter, in a subprocess (triton reads TRITON_INTERPRET at import): CI's
+# CPU runs them against the references this way.
+INTERPRETED = 1 + 4 + 1 + 6 + 1 + 1  # norm/swiglu, rope cache, rope saturation, paged attention, gumbel, argmax
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton does not import here")
+@pytest.mark.skipif(KERNELS, reason="the kernel tests run directly here")
+def test_kernels_under_interpreter():
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            __file__,
+            "-q",
+            "-m",
+            "not gpu",
+            "-k",
+            "kernel and not under_interpreter or saturates",
+        ]
+        + ["-p", "no:cacheprovider", "-p", "no:xdist"],
+        env=dict(os.environ, TRITON_INTERPRET="1"),
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    tail = r.stdout[-3000:] + r.stderr[-2000:]
+    assert r.returncode == 0, tail
+    passed = re.search(r"(\d+) passed", r.stdout)
+    assert passed and int(passed.group(1)) == INTERPRETED, tail
+    assert "skipped" not in r.stdout.splitlines()[-1], tail
+
+
 # ---------------------------------------------------------------- with the engine
-def test_engine_with_torch_runner_matches_transformers(tmp_path):
+@cpu_fp32
+def test_engine_with_torch_runner_matches_transformers(tmp_path, fresh_seed):
     """LLMEngine (scheduler, block manager, prefix cache) over TorchRunner: greedy tokens as HF's."""
     from llmserve.engine.llm_engine import LLMEngine
 
-    tiny_checkpoint(tmp_path, "qwen2", seed=21)
+    tiny_checkpoint(tmp_path, "qwen2", seed=fresh_seed)
     cfg = Config(block_size=4, max_seq_len=128, batch_size=4, block_bs=3, max_num_batched_tokens=16)
     from llmserve.runners.torch.runner import TorchRunner
 
     engine = LLMEngine(cfg, TorchRunner(str(tmp_path), cfg))
-    rng = np.random.default_rng(4)
+    rng = np.random.default_rng(fresh_seed)
     shared = rng.integers(0, 256, size=9).tolist()  # a common prefix exercises the prefix cache
     prompts = [shared + rng.integers(0, 256, size=n).tolist() for n in (3, 20, 1, 11, 6)]
     for i, p in enumerate(prompts):
@@ -415,9 +468,6 @@ def test_engine_with_torch_runner_matches_transformers(tmp_path):
     while engine.has_unfinished():
         for out in engine.step():
             got[out.req_id] += out.new_token_ids
-    if HAS_CUDA:
-        assert all(len(v) == 8 for v in got.values())
-        return
     hf = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path)
     for i, p in enumerate(prompts):
         ref = hf.generate(
@@ -454,7 +504,11 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
         eager = runner.model.logits(
             runner.model.forward(x.input_ids, x.positions, x.slot_mapping, x.meta, runner.kv_cache)
         )
-    torch.testing.assert_close(graph_logits, eager, rtol=1e-2, atol=1e-2)
+    # The graph replays the kernels the eager step launches, over the same inputs; the graph's bucket pads the
+    # batch with rows of its own, and every kernel computes a row independently of the others (the GEMVs and
+    # skinny products: test_gemv's "a row is its own product"; attention: a sequence's own blocks), so the
+    # logits are the same bits. (GPU only: unverified on the CPU, where there are no CUDA graphs.)
+    assert torch.equal(graph_logits, eager), (graph_logits - eager).abs().max()
 
 
 @gpu
