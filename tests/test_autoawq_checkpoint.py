@@ -18,8 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from llmserve.runners.torch.quant import formats
-from llmserve.runners.torch.quant.checkpoint_config import parse_quantization_config, tensor_names, to_canonical
+from llmserve.layers.quant import formats
+from llmserve.layers.quant.checkpoint_config import parse_quantization_config, tensor_names, to_canonical
 
 CKPT = Path(__file__).resolve().parent / "data" / "autoawq_tiny"
 Q_MINUS_Z = CKPT.parent / "autoawq_tiny_q_minus_z.safetensors"  # outside the model's directory: not a shard

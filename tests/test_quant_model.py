@@ -198,7 +198,7 @@ def hf_logits_over_a_quantized_cache(model_dir, prompts: list[list[int]], dtype:
     absmax scale per token and head (kernels/rotary.py quantize_ref), before every attention reads them."""
     from transformers.models.llama import modeling_llama
 
-    from llmserve.runners.torch.kernels.rotary import quantize_ref
+    from llmserve.kernels.rotary import quantize_ref
 
     def fake_quant(x: torch.Tensor) -> torch.Tensor:  # [B, KVH, T, D]
         values, scales = quantize_ref(x, dtype)

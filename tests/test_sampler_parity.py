@@ -249,7 +249,7 @@ def test_draws_follow_the_cut_softmax(stream, fresh_seed):
 @pytest.fixture(scope="module")
 def models(tiny_hf_dir, tmp_path_factory) -> dict[str, str]:
     """One tiny checkpoint for each runner: the HF directory (torch) and its Paddle export."""
-    export = pytest.importorskip("llmserve.models.export", reason="the Paddle export needs paddle")
+    export = pytest.importorskip("llmserve.runners.paddle.export", reason="the Paddle export needs paddle")
     return {"torch": str(tiny_hf_dir), "paddle": str(export.export_hf(tiny_hf_dir, tmp_path_factory.mktemp("paddle")))}
 
 
