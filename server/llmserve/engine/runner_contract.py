@@ -89,7 +89,7 @@ class SeqChunk:
 class StepBatch:
     chunks: list[SeqChunk]
     # Requests that left since the last step (finished, aborted, preempted):
-    # a runner drops per-request state it keeps (sampler generators, penalty counts)
+    # a runner drops per-request state it keeps (sampler seeds, penalty counts)
     # for finished ones; preempted ones come back later with the same req_id.
     finished_req_ids: list[str] = field(default_factory=list)
     # Whether the proposer needs this step's per-request state (mtp: the module's output at each

@@ -96,7 +96,7 @@ class SamplingParams:
             if not (math.isfinite(bias) and -100.0 <= bias <= 100.0):
                 bad("logit_bias", f"biases must be in [-100, 100], got {bias!r} for token {tok}")
         if self.seed is not None and self.seed < 0:
-            bad("seed", f"must be >= 0, got {self.seed}")  # numpy's generators refuse it (it killed the engine)
+            bad("seed", f"must be >= 0, got {self.seed}")  # one rule on every protocol (engine/draw.py takes any int)
         if any(not (isinstance(t, int) and t >= 0) for t in self.prediction_token_ids):
             bad("prediction_token_ids", "token ids must be integers >= 0")
         if any(not s for s in self.stop):
