@@ -27,7 +27,10 @@ TABLE = [
     ("LLMSERVE_START_TIMEOUT", None), ("LLMSERVE_STOP_TIMEOUT", None), ("TRITONSERVER_BIN", None),
     ("TRITON_BACKEND_DIR", None), ("LLMSERVE_TRITON_STUB_PYTHONPATH", None),
 ]  # fmt: skip
-INTERNAL = {"LLMSERVE_HTTP_PARENT_PID"}  # set by the front end for its own workers: not a setting
+INTERNAL = {
+    "LLMSERVE_HTTP_PARENT_PID",
+    "LLMSERVE_HTTP_SUPERVISOR_PID",
+}  # set by the front end for its own workers: not settings
 
 
 def test_every_table_variable_and_alias_is_read():

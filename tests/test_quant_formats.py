@@ -281,7 +281,6 @@ def test_parse_unquantized_and_module_filters():
     assert parse_quantization_config({"model_type": "llama", "quantization_config": None}) is None
     with pytest.raises(ConfigError, match="quant_method=None"):
         parse_quantization_config({"load_in_4bit": True})
-    assert F.parse_quantization_config is parse_quantization_config  # re-exported by formats
     ct = parse_quantization_config(_ct({}))
     assert ct.quantized("model.layers.0.mlp.up_proj") and not ct.quantized("model.layers.0.mlp.down_proj")
     assert not ct.quantized("lm_head")

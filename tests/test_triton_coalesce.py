@@ -343,8 +343,8 @@ def _submit(model, engine, n: int) -> list[_Request]:
     engine.wait_for(lambda got: sum(m["op"] == "add" for m in got) >= n)
     adds = [m for m in engine.got if m["op"] == "add"]
     for r, m in zip(reqs, adds[-n:]):
-        body = json.loads(m["body"])  # JSON text, its req_id set and beside it
-        assert isinstance(m["body"], str) and body["req_id"] == m["req_id"] == _rid(r) and body["text"] == "hi"
+        body = m["body"]  # a map, its req_id set and beside it
+        assert isinstance(body, dict) and body["req_id"] == m["req_id"] == _rid(r) and body["text"] == "hi"
     return reqs
 
 
