@@ -23,6 +23,7 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, PrivateAttr, Va
 from llmserve.engine.sampling_params import SamplingParams
 from llmserve.protocol import error_response as error_response  # re-exported: the native error item
 from llmserve.protocol import structured
+from llmserve.utils.wire import dumps
 
 # Error codes: also the HTTP status of the error.
 BAD_REQUEST = 400
@@ -341,3 +342,20 @@ def served_model_names(model_dir: str, served_name: str = "") -> list[str]:
 def check_model(name: str | None, served: list[str]) -> None:
     if name is not None and name not in served:
         raise NativeError(NOT_FOUND, f"The model `{name}` does not exist; this server serves `{served[0]}`.", "model")
+
+
+def unreadable(req_id: str | None, body, e: Exception) -> dict:
+    """The 400 of a request that cannot be forwarded: not a JSON object, or one msgpack cannot carry (an
+    integer past 64 bits, a lone surrogate). Its field is named where validation finds one (the Triton
+    adapter imports this module on that path only: its stub stays light)."""
+    if isinstance(body, dict):
+        try:
+            parse(body)
+        except NativeError as err:
+            return error_response(req_id, 400, err.msg, err.param)
+        for key, value in body.items():  # valid, but a value the wire cannot carry: named
+            try:
+                dumps({key: value})
+            except Exception as err:  # noqa: BLE001 - msgpack's OverflowError, UnicodeEncodeError, ...
+                return error_response(req_id, 400, f"{key}: cannot be carried ({err}): out of range", key)
+    return error_response(req_id, 400, f"IN must hold one JSON object: {e}")

@@ -133,25 +133,6 @@ def finals_first(items: list[dict]) -> list[dict]:
     return [i for i in items if i.get("req_id") in ending] + [i for i in items if i.get("req_id") not in ending]
 
 
-def unreadable(req_id: str | None, body, e: Exception) -> dict:
-    """The 400 of a request that cannot be forwarded: not a JSON object, or one msgpack cannot carry (an
-    integer past 64 bits, a lone surrogate). Its field is named where validation finds one (pydantic is
-    imported on this path only: the stub stays light)."""
-    if isinstance(body, dict):
-        from llmserve.protocol.native import NativeError, parse
-
-        try:
-            parse(body)
-        except NativeError as err:
-            return error_response(req_id, 400, err.msg, err.param)
-        for key, value in body.items():  # valid, but a value the wire cannot carry: named
-            try:
-                dumps({key: value})
-            except Exception as err:  # noqa: BLE001 - msgpack's OverflowError, UnicodeEncodeError, ...
-                return error_response(req_id, 400, f"{key}: cannot be carried ({err}): out of range", key)
-    return error_response(req_id, 400, f"IN must hold one JSON object: {e}")
-
-
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -201,6 +182,8 @@ class TritonPythonModel:
                 # surrogate cannot be UTF-8: msgpack refuses it here, answered as a 400 below.
                 msg = dumps({"op": "add", "req_id": req_id, "body": body})
             except Exception as e:
+                from llmserve.protocol.native import unreadable  # pydantic: on this path only
+
                 self._respond(sender, unreadable(req_id, body, e), final=True)
                 continue
             with self.lock:
