@@ -15,9 +15,7 @@ server -> core
   {"op": "stop"}
 core -> server
   {"op": "ready", "vocab_size", "max_model_len", "capacity_tokens"}    once, when loaded
-  {"op": "step", "outs": [[req_id, token_ids, finish_reason | None, num_cached_tokens,
-                           logprobs | None, error | None, prompt_logprobs | None], ...],
-   "kv": [running, waiting, kv_blocks_used, kv_blocks_total],
+  {"op": "step", "outs": [CoreOut, ...], "kv": KvLoad,       (core_records.py: named arrays)
    "adds": int,
    "spec": [verified, drafted, accepted, [drafted at j], [accepted at j]]}
                                    per step, and after taking in messages when idle; `adds`
@@ -59,6 +57,7 @@ from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.speculative import SpecStats
 from llmserve.serving import start_status
 from llmserve.serving.arrival_wait import CAP_S, POLL_S, ArrivalWait
+from llmserve.serving.core_records import CoreOut, KvLoad
 from llmserve.serving.ipc import dumps, endpoint, loads
 from llmserve.serving.start_status import LOAD_FAILED
 from llmserve.utils.process import die_with_parent, exit_now
@@ -118,12 +117,12 @@ class CoreLink:
         self.sock.close(0)
 
 
-def encode(out: RequestOutput) -> list:
+def encode(out: RequestOutput) -> CoreOut:
     lps = [[lp.logprob, lp.top] for lp in out.logprobs] if out.logprobs else None
     plps = None
     if out.prompt_logprobs is not None:
         plps = [None if lp is None else [lp.logprob, lp.top] for lp in out.prompt_logprobs]
-    return [out.req_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, lps, out.error, plps]
+    return CoreOut(out.req_id, out.new_token_ids, out.finish_reason, out.num_cached_tokens, lps, out.error, plps)
 
 
 def spec_counters(s: SpecStats) -> list:
@@ -173,7 +172,7 @@ class EngineCore:
             last = t if busy else None
             if outs or took or eng.has_unfinished():  # every step reports: it is the server's sign of progress
                 bm, sch = eng.block_manager, eng.scheduler
-                kv = [len(sch.running), len(sch.waiting), bm.num_used, bm.num_blocks]
+                kv = KvLoad(len(sch.running), len(sch.waiting), bm.num_used, bm.num_blocks)
                 msg = {"op": "step", "outs": [encode(o) for o in outs], "kv": kv, "adds": self.adds}
                 if eng.spec_stats.verified != self.spec[0]:  # drafts were verified: their counts grew
                     now = spec_counters(eng.spec_stats)

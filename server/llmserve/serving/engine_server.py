@@ -36,6 +36,7 @@ from llmserve.engine.output_processor import TextState
 from llmserve.protocol import cancelled_response, native
 from llmserve.protocol.native import NativeError
 from llmserve.serving import intake_trace, preflight, responses
+from llmserve.serving.core_records import CoreOut, KvLoad
 from llmserve.serving.engine_core import CoreLink, spec_sum
 from llmserve.serving.ipc import HEARTBEAT_S, dumps, endpoint, loads
 from llmserve.serving.responses import Live
@@ -66,7 +67,7 @@ class EngineServer:
         self.adapters: set[bytes] = set()
         self.monitors: set[bytes] = set()
         self.outbox: dict[bytes, list[dict]] = {}
-        self.kv = [0, 0, 0, 0]  # the core's last [running, waiting, kv_blocks_used, kv_blocks_total]
+        self.kv = KvLoad(0, 0, 0, 0)  # the core's last
         self.adds_sent = self.core_adds = 0  # adds sent to the core / taken in by it (its last report)
         self.last_progress = time.monotonic()  # the core's last step, or when it last got work
         # Metric deltas since the last stats message.
@@ -166,7 +167,7 @@ class EngineServer:
             if req_id in self.live:
                 raise NativeError(native.DUPLICATE, f"req_id {req_id!r} is already in flight", "req_id")
             # Beyond the batch's BATCH_SIZE slots: a burst the core has not scheduled yet is not a queue.
-            in_core = self.kv[0] + self.kv[1] + self.adds_sent - self.core_adds  # running, waiting, on the way
+            in_core = self.kv.running + self.kv.waiting + self.adds_sent - self.core_adds  # with those on the way
             queued = in_core - self.cfg.batch_size
             if queued >= self.cfg.max_cached_task_num:
                 raise NativeError(
@@ -230,7 +231,7 @@ class EngineServer:
             if op == "step":
                 self.core_steps += 1
                 self.last_progress = time.monotonic()
-                self.kv, self.core_adds = msg["kv"], msg["adds"]
+                self.kv, self.core_adds = KvLoad._make(msg["kv"]), msg["adds"]
                 self.d_spec = spec_sum(self.d_spec, msg.get("spec"))
                 self._on_outputs(msg["outs"])
             elif op == "reject":
@@ -244,32 +245,34 @@ class EngineServer:
             self.core_s += time.perf_counter() - t
 
     def _on_outputs(self, outs: list[list]) -> None:
+        """The core's step outputs (core_records.CoreOut, carried as arrays)."""
         now = time.monotonic()
-        for core_id, token_ids, reason, num_cached, lps, error, prompt_lps in outs:
-            lv = self.by_core_id.get(core_id)
+        for out in map(CoreOut._make, outs):
+            lv = self.by_core_id.get(out.req_id)
             if lv is None:  # ended here already (stop string, cancel, timeout): its tokens are dropped
                 continue
             req_id = lv.req.req_id
+            reason, lps = out.finish_reason, out.logprobs  # reason: "stop" once a stop string ends it
             if reason == "abort":
                 self._forget(lv)
-                self._reject(lv.client, req_id, native.INTERNAL, error or "the engine aborted the request")
+                self._reject(lv.client, req_id, native.INTERNAL, out.error or "the engine aborted the request")
                 continue
-            if prompt_lps is not None:
-                lv.prompt = self.speller.prompt(lv.prompt_ids, prompt_lps)
+            if out.prompt_logprobs is not None:
+                lv.prompt = self.speller.prompt(lv.prompt_ids, out.prompt_logprobs)
             # Token by token: a stop string ends the request at the token that completes it; tokens
             # after it are neither sent nor counted.
             logprobs, text_state = [], lv.text_state
             taken = 0
-            for t in token_ids:
+            for t in out.token_ids:
                 if lps is not None:  # where its text starts: the same however the tokens were split
                     lp, top = lps[taken]
                     logprobs.append(self.speller.entry(t, lp, top, len(text_state.text)))
                 taken += 1
                 if text_state.append([t]) is not None:
                     reason = "stop"
-                    self.core.send({"op": "abort", "req_ids": [core_id]})
+                    self.core.send({"op": "abort", "req_ids": [out.req_id]})
                     break
-            new_ids = token_ids[:taken]
+            new_ids = out.token_ids[:taken]
             lv.num_output_tokens += taken
             self.d_gen += taken
             new_text = text_state.flush_text(finished=reason is not None)
@@ -282,13 +285,17 @@ class EngineServer:
                 intake_trace.mark("server_first", req_id)
             if reason is not None:
                 self._forget(lv)
-                self._send(lv, responses.item(lv, self.stream, new_ids, new_text, logprobs, reason, num_cached))
+                self._send(
+                    lv, responses.item(lv, self.stream, new_ids, new_text, logprobs, reason, out.num_cached_tokens)
+                )
                 n = lv.num_output_tokens
                 ttft = (lv.first_token_time or now) - lv.arrival
                 tpot = (now - lv.first_token_time) / (n - 1) if n > 1 and lv.first_token_time else None
                 self.finished.append([reason, ttft, tpot, now - lv.arrival])
             elif self.stream and (new_ids or new_text or lv.prompt):
-                self._send(lv, responses.item(lv, self.stream, new_ids, new_text, logprobs, None, num_cached))
+                self._send(
+                    lv, responses.item(lv, self.stream, new_ids, new_text, logprobs, None, out.num_cached_tokens)
+                )
 
     def _send(self, lv: Live, item: dict) -> None:
         self.outbox.setdefault(lv.client, []).append(item)
@@ -351,7 +358,7 @@ class EngineServer:
             "live": len(self.live),
             "draining": self.draining,
             "stalled": stalled,
-            **dict(zip(("running", "waiting", "kv_blocks_used", "kv_blocks_total"), self.kv)),
+            **self.kv._asdict(),
             "prompt_tokens": self.d_prompt,
             "generation_tokens": self.d_gen,
             "finished": self.finished,
