@@ -48,3 +48,17 @@ async def fanout(backend: Backend, bodies: list[dict]) -> AsyncIterator[tuple[in
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def first_of(backend: Backend, bodies: list[dict]) -> tuple[tuple[int, dict], AsyncIterator[tuple[int, dict]]]:
+    """The fanned-out streams' first item, and the merged stream for the rest; the stream is closed when the
+    first is an error (its caller answers that) or raises."""
+    merged = fanout(backend, bodies)
+    try:
+        first = await anext(merged)
+    except BaseException:
+        await merged.aclose()
+        raise
+    if first[1].get("error_code"):
+        await merged.aclose()
+    return first, merged

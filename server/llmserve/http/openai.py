@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from llmserve.config import Config
 from llmserve.http.disconnect import until_disconnected
 from llmserve.http.errors import ApiError, openai_error, status_of
-from llmserve.http.fanout import fanout
+from llmserve.http.fanout import first_of
 from llmserve.http.streaming import StreamResponse
 from llmserve.http.triton_client import Backend
 from llmserve.protocol import native, tool_calls
@@ -331,14 +331,8 @@ def _parse(parse, body: dict):
 
 async def _handle(request: Request, req, backend: Backend, config: Config) -> Response:
     call = _Call(req, config)
-    merged = fanout(backend, call.bodies)
-    try:
-        first = await anext(merged)
-    except BaseException:
-        await merged.aclose()
-        raise
+    first, merged = await first_of(backend, call.bodies)
     if first[1].get("error_code"):
-        await merged.aclose()
         status, body = call.error(first[1])
         return JSONResponse(body, status_code=status)
     if req.stream:

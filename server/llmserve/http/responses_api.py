@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response
 from llmserve.config import Config
 from llmserve.http.disconnect import until_disconnected
 from llmserve.http.errors import ApiError
-from llmserve.http.fanout import fanout
+from llmserve.http.fanout import first_of
 from llmserve.http.openai import _Call, _collect, _parse
 from llmserve.http.responses_store import MAX_RESPONSES, TTL_S, ResponseStore
 from llmserve.http.streaming import StreamResponse
@@ -177,14 +177,8 @@ async def handle_responses(
 ) -> Response:
     req, chat_body, call = _prepare(body, store, config)
     reply = _Reply(req, chat_body, call)
-    merged = fanout(backend, call.bodies)
-    try:
-        first = await anext(merged)
-    except BaseException:
-        await merged.aclose()
-        raise
+    first, merged = await first_of(backend, call.bodies)
     if first[1].get("error_code"):
-        await merged.aclose()
         return _error_json(call, first[1])
     if req.stream:
         events = _events(reply, first, merged, store)
