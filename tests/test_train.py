@@ -432,7 +432,8 @@ def test_chat_exchanges_are_the_served_template(tmp_path):
 
 def test_bfloat16_checkpoint_and_attached_mtp(trained, tmp_path, monkeypatch):
     """save_dtype bfloat16: every tensor is written as bf16, the metrics are those of the rounded weights,
-    and --init-from keeps the bf16 trunk bit for bit and writes its MTP module in bf16 too."""
+    --init-from keeps the bf16 trunk bit for bit and writes its MTP module in bf16 too, and the Paddle
+    export serves it."""
     import dataclasses
 
     from llmserve.train.evaluate import evaluate
@@ -454,3 +455,16 @@ def test_bfloat16_checkpoint_and_attached_mtp(trained, tmp_path, monkeypatch):
     after = load_file(tmp_path / "mtp" / "model.safetensors")
     assert all(torch.equal(after[k], v) for k, v in trunk.items())
     assert {v.dtype for v in after.values()} == {torch.bfloat16} and len(after) > len(trunk)
+    # the exporter widens bf16: the Paddle graph computes transformers' float32 logits of the bf16 weights
+    from llmserve.models.export import export_hf
+    from llmserve.runners.paddle.runner import PaddleRunner
+
+    export_hf(tmp_path / "mtp", tmp_path / "static")
+    tokens = _prompt_ids(tmp_path / "mtp")
+    runner = PaddleRunner(str(tmp_path / "static"), Config(block_size=8, max_seq_len=128, block_bs=2), Greedy())
+    req = Request("p", tokens, SamplingParams())
+    req.block_table = list(range(-(-len(tokens) // 8)))
+    got = runner.forward([SeqChunk(req, 0, len(tokens), True)])[0][0]
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0, -1].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
