@@ -287,6 +287,8 @@ def test_presets_meet_their_budgets():
         counts[name] = sum(t.numel() for t in model.parameters())
         assert counts[name] == p.num_params(), name
     assert counts["demo"] * 4 < 10 * 2**20  # float32 safetensors under 10 MB
+    nxt = PRESETS["demo-next"]  # issue 45's demo: bf16 trunk + MTP module (no copies) + tokenizer <= 24 MB
+    assert (counts["demo-next"] + nxt.mtp_params()) * 2 + 600_000 <= 24e6 and nxt.save_dtype == "bfloat16"
     assert 50e6 <= counts["target"] <= 150e6
     assert counts["draft"] * 8 <= counts["target"]
     assert math.isclose(PRESETS["target"].head_dim, 64)
@@ -402,3 +404,76 @@ def test_init_from_refusals(attached, tmp_path, capsys):
         assert not out.exists()  # refused before anything was written
     assert main(["train", "--preset", "tiny", "--out", trunk, "--init-from", trunk, "--mtp"]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_chat_exchanges_are_the_served_template(tmp_path):
+    """chat_every: every Nth training file is a ChatML exchange, rendered as the demo's chat template
+    renders a user request and its answer; the held-out stream is the plain one."""
+    from llmserve.engine.tokenizer import load_tokenizer
+    from llmserve.models.demo import DEMO_HF_DIR
+
+    root = tmp_path / "lib"
+    (root / "pkg").mkdir(parents=True)
+    for i in range(60):
+        doc = f'"""Add {i} to x.\n\nMore words."""\n' if i % 3 else ""
+        (root / "pkg" / f"m{i:03d}.py").write_text(f"{doc}def f{i}(x):\n    return x + {i}\n")
+    c = corpus_mod.load_corpus(root)
+    rel, text = c.train[0], next(c.texts("train"))
+    served = load_tokenizer(str(DEMO_HF_DIR))
+    messages = [{"role": "user", "content": "Add 1 to x."}, {"role": "assistant", "content": text}]
+    assert corpus_mod.chat_exchange(rel, text) + "\n" == served.apply_chat_template(messages, False)
+    assert corpus_mod.chat_exchange(c.train[2], "x = 1\n").startswith("<|im_start|>user\nWrite m003.py.<|im_end|>")
+
+    tok = build_tokenizer(c.texts("train"), 300)
+    (tmp_path / "tok").mkdir()
+    tok.save(str(tmp_path / "tok" / "tokenizer.json"))
+    plain, _ = corpus_mod.token_streams(tmp_path / "tok", tmp_path / "cache", root=root)
+    chat, stats = corpus_mod.token_streams(tmp_path / "tok", tmp_path / "cache", root=root, chat_every=4)
+    assert len(list((tmp_path / "cache").iterdir())) == 2 and stats["chat_every"] == 4
+    assert chat["heldout"].tolist() == plain["heldout"].tolist()
+    im_start, im_end = tok.token_to_id("<|im_start|>"), tok.token_to_id("<|im_end|>")
+    wrapped = len(range(0, len(c.train), 4))
+    assert (chat["train"] == im_start).sum() == 2 * wrapped and (chat["train"] == im_end).sum() == 2 * wrapped
+    assert (plain["train"] == im_start).sum() == 0
+    first = tok.decode(chat["train"][: list(chat["train"]).index(1)].tolist(), skip_special_tokens=False)
+    assert first == corpus_mod.chat_exchange(rel, text)
+
+
+def test_bfloat16_checkpoint_and_attached_mtp(trained, tmp_path, monkeypatch):
+    """save_dtype bfloat16: every tensor is written as bf16, the metrics are those of the rounded weights,
+    --init-from keeps the bf16 trunk bit for bit and writes its MTP module in bf16 too, and the Paddle
+    export serves it."""
+    import dataclasses
+
+    from llmserve.train.evaluate import evaluate
+
+    tok, cache, _ = trained
+    monkeypatch.setitem(PRESETS, "tiny", dataclasses.replace(PRESETS["tiny"], save_dtype="bfloat16"))
+    m = _train(tmp_path / "trunk", cache, "--tokenizer", str(tok), "--max-steps", "10")
+    trunk = load_file(tmp_path / "trunk" / "model.safetensors")
+    assert {v.dtype for v in trunk.values()} == {torch.bfloat16} and m["save_dtype"] == "bfloat16"
+    cfg = json.loads((tmp_path / "trunk" / "config.json").read_text())
+    assert cfg["torch_dtype"] == "bfloat16"
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "trunk", dtype=torch.float32)
+    streams, _ = corpus_mod.token_streams(tmp_path / "trunk", cache, 30)
+    p = PRESETS["tiny"]
+    ev = evaluate(model, None, streams["heldout"], p.seq_len, p.eval_windows, p.batch_size // 2, False)
+    assert math.isclose(ev["heldout_ppl"], m["heldout_ppl"], rel_tol=1e-4)
+
+    _train(tmp_path / "mtp", cache, "--init-from", str(tmp_path / "trunk"), "--mtp", "--max-steps", "3")
+    after = load_file(tmp_path / "mtp" / "model.safetensors")
+    assert all(torch.equal(after[k], v) for k, v in trunk.items())
+    assert {v.dtype for v in after.values()} == {torch.bfloat16} and len(after) > len(trunk)
+    # the exporter widens bf16: the Paddle graph computes transformers' float32 logits of the bf16 weights
+    from llmserve.models.export import export_hf
+    from llmserve.runners.paddle.runner import PaddleRunner
+
+    export_hf(tmp_path / "mtp", tmp_path / "static")
+    tokens = _prompt_ids(tmp_path / "mtp")
+    runner = PaddleRunner(str(tmp_path / "static"), Config(block_size=8, max_seq_len=128, block_bs=2), Greedy())
+    req = Request("p", tokens, SamplingParams())
+    req.block_table = list(range(-(-len(tokens) // 8)))
+    got = runner.forward([SeqChunk(req, 0, len(tokens), True)])[0][0]
+    with torch.no_grad():
+        want = model(torch.tensor([tokens])).logits[0, -1].numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -95,17 +95,23 @@ def load_frozen_trunk(model: LlamaForCausalLM, trunk: dict[str, torch.Tensor]) -
 
 
 def save_attached(
-    out: Path, src: Path, trunk: dict[str, torch.Tensor], model: LlamaForCausalLM, mtp: MTPLayer, copies: bool
+    out: Path,
+    src: Path,
+    trunk: dict[str, torch.Tensor],
+    model: LlamaForCausalLM,
+    mtp: MTPLayer,
+    copies: bool,
+    dtype: str = "float32",
 ) -> None:
-    """OUT's checkpoint: DIR's trunk tensors as read, the MTP's (`copies`: with the MTP layer's copies
-    of the embedding and LM head, `mtp.checkpoint_tensors`), DIR's config + num_nextn_predict_layers."""
-    state = model.state_dict()
-    changed = [k for k, v in trunk.items() if not torch.equal(state[k].detach().cpu(), v)]
+    """OUT's checkpoint: DIR's trunk tensors as read, the MTP's in `dtype` (`copies`: with the MTP layer's
+    copies of the embedding and LM head, `mtp.checkpoint_tensors`), DIR's config + num_nextn_predict_layers."""
+    state = model.state_dict()  # float32: a bf16 trunk widened, which is exact
+    changed = [k for k, v in trunk.items() if not torch.equal(state[k].detach().cpu().to(v.dtype), v)]
     if changed:  # the trunk is frozen: this is a bug, not a training outcome
         raise RuntimeError(f"the frozen trunk changed during training: {changed[:5]}")
     tensors = dict(trunk)
     for k, v in checkpoint_tensors(mtp, model, copies).items():
-        tensors[k] = v.detach().to("cpu", torch.float32).clone().contiguous()
+        tensors[k] = v.detach().to("cpu", getattr(torch, dtype)).clone().contiguous()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = json.loads((src / "config.json").read_text())
     cfg["num_nextn_predict_layers"] = 1

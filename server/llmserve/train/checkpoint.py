@@ -1,5 +1,6 @@
 """Write a trained model as a Hugging Face directory that transformers, the torch runner and the
-exporter read: config.json, model.safetensors (float32, one file), generation_config.json.
+exporter read: config.json, model.safetensors (one file; float32, or the preset's `save_dtype`),
+generation_config.json.
 
 With an MTP module, config.json gets `num_nextn_predict_layers: 1` and the module's weights
 follow the last decoder layer under DeepSeek-V3's names (`mtp.checkpoint_tensors`).
@@ -46,15 +47,15 @@ def llama_config(preset, vocab_size: int, bos_id: int, eos_ids: tuple[int, ...],
     )
 
 
-def _config_dict(config: LlamaConfig) -> dict:
+def _config_dict(config: LlamaConfig, dtype: str = "float32") -> dict:
     d = config.to_dict()  # every field (not only those that differ from the defaults): other readers need them
     for generic in ("_attn_implementation_autoset", "_name_or_path", "id2label", "label2id", "problem_type"):
         d.pop(generic, None)  # PretrainedConfig's task fields: noise in a causal LM's config
-    d["torch_dtype"] = d["dtype"] = "float32"
+    d["torch_dtype"] = d["dtype"] = dtype
     return d
 
 
-def save_checkpoint(out: Path, model: LlamaForCausalLM, mtp: MTPLayer | None = None) -> Path:
+def save_checkpoint(out: Path, model: LlamaForCausalLM, mtp: MTPLayer | None = None, dtype: str = "float32") -> Path:
     """Write config.json, model.safetensors and generation_config.json into `out`."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = dict(model.state_dict())
@@ -63,10 +64,10 @@ def save_checkpoint(out: Path, model: LlamaForCausalLM, mtp: MTPLayer | None = N
     if mtp is not None:
         tensors.update(checkpoint_tensors(mtp, model))
     # clone: tied and shared tensors become separate buffers, as safetensors requires
-    tensors = {k: v.detach().to("cpu", torch.float32).clone().contiguous() for k, v in tensors.items()}
+    tensors = {k: v.detach().to("cpu", getattr(torch, dtype)).clone().contiguous() for k, v in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg = model.config
-    (out / "config.json").write_text(json.dumps(_config_dict(cfg), indent=2, sort_keys=True) + "\n")
+    (out / "config.json").write_text(json.dumps(_config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n")
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     return out

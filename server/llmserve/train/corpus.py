@@ -11,7 +11,14 @@ The test suite itself stays: it is ordinary Python source, about half of the cor
 Split by file: the file at index i of that list is held out when i % 50 == 0. Each split is
 tokenized into one stream (each file's tokens, then `</s>`, in file order), cached as .npy
 under `cache_dir/stream-<key>/`; the key hashes the tokenizer, the candidate files (paths,
-sizes, mtimes), the file limit and these rules. The corpus, and so every model trained on it,
+sizes, mtimes), the file limit and these rules.
+
+ChatML (`chat_every` N > 0): every Nth training file is written as a chat exchange instead, the
+way the served chat template renders one: `<|im_start|>user\n{request}<|im_end|>\n<|im_start|>
+assistant\n{source}<|im_end|>`, the request being the first line of its module docstring (or
+"Write {file name}."). A model never trained on those ids has no idea what follows them; with
+this, a chat request gets Python back, ended by `<|im_end|>`. The held-out stream stays plain.
+The corpus, and so every model trained on it,
 depends on the interpreter's version: Python 3.11's stdlib is not 3.12's.
 """
 
@@ -87,9 +94,25 @@ def load_corpus(root: Path | None = None, max_files: int | None = None) -> Corpu
     return Corpus(root, train, heldout)
 
 
-def _stream_key(tokenizer_json: bytes, root: Path, max_files: int | None) -> str:
+def chat_exchange(rel: Path, text: str) -> str:
+    """The file as a ChatML exchange: a request made of its docstring's first line, the source as the answer."""
+    try:
+        doc = ast.get_docstring(ast.parse(text)) or ""
+    except (SyntaxError, ValueError):
+        doc = ""
+    request = doc.strip().split("\n")[0].strip() or f"Write {rel.name}."
+    return f"<|im_start|>user\n{request}<|im_end|>\n<|im_start|>assistant\n{text}<|im_end|>"
+
+
+def _chat_texts(corpus: Corpus, chat_every: int) -> Iterator[str]:
+    for i, (rel, text) in enumerate(zip(corpus.train, corpus.texts("train"))):
+        yield chat_exchange(rel, text) if chat_every and i % chat_every == 0 else text
+
+
+def _stream_key(tokenizer_json: bytes, root: Path, max_files: int | None, chat_every: int = 0) -> str:
     h = hashlib.sha256(tokenizer_json)
-    h.update(f"{RULES_VERSION} {HELDOUT_EVERY} {max_files} {root}\n".encode())
+    chat = f" chat {chat_every}" if chat_every else ""  # plain streams keep their earlier keys
+    h.update(f"{RULES_VERSION} {HELDOUT_EVERY} {max_files} {root}{chat}\n".encode())
     for rel in candidate_files(root):
         st = (root / rel).stat()
         h.update(f"{rel.as_posix()} {st.st_size} {st.st_mtime_ns}\n".encode())
@@ -114,23 +137,25 @@ def _encode(tokenizer, texts: Iterator[str], eos_id: int, dtype: type) -> np.nda
 
 
 def token_streams(
-    tokenizer_dir: Path, cache_dir: Path, max_files: int | None = None, root: Path | None = None
+    tokenizer_dir: Path, cache_dir: Path, max_files: int | None = None, root: Path | None = None, chat_every: int = 0
 ) -> tuple[dict[str, np.ndarray], dict]:
-    """{"train": tokens, "heldout": tokens} and corpus statistics, from the cache when it has them."""
+    """{"train": tokens, "heldout": tokens} and corpus statistics, from the cache when it has them;
+    `chat_every`: every Nth training file as a ChatML exchange (module docstring)."""
     from tokenizers import Tokenizer
 
     root = root or stdlib_root()
     tok_json = (Path(tokenizer_dir) / "tokenizer.json").read_bytes()
-    where = Path(cache_dir) / f"stream-{_stream_key(tok_json, root, max_files)}"
+    where = Path(cache_dir) / f"stream-{_stream_key(tok_json, root, max_files, chat_every)}"
     if not (where / "stats.json").exists():
         corpus = load_corpus(root, max_files)
         tok = Tokenizer.from_str(tok_json.decode("utf-8"))
         dtype = np.uint16 if tok.get_vocab_size() <= 1 << 16 else np.int32
         tmp = where.with_name(f"{where.name}.tmp{os.getpid()}")
         tmp.mkdir(parents=True, exist_ok=True)
-        stats: dict = {"root": str(root), "max_files": max_files}
+        stats: dict = {"root": str(root), "max_files": max_files, "chat_every": chat_every}
         for split in ("train", "heldout"):
-            ids = _encode(tok, corpus.texts(split), tok.token_to_id("</s>"), dtype)
+            texts = _chat_texts(corpus, chat_every) if split == "train" else corpus.texts(split)
+            ids = _encode(tok, texts, tok.token_to_id("</s>"), dtype)
             np.save(tmp / f"{split}.npy", ids)
             files = getattr(corpus, split)
             stats[split] = {

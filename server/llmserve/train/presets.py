@@ -34,6 +34,8 @@ class Preset:
     mtp_loss_weight: float = 0.3  # DeepSeek-V3's lambda for the first 10T tokens
     mtp_steps: int | None = None  # steps of an MTP module trained alone on a frozen trunk (--init-from)
     mtp_copies: bool = True  # --init-from writes the MTP layer's copies of the embedding and LM head
+    save_dtype: str = "float32"  # of model.safetensors (bfloat16: half the bytes; readers widen it)
+    chat_every: int = 0  # every Nth training file also as a ChatML exchange (corpus.py); 0: none
 
     @property
     def head_dim(self) -> int:
@@ -68,6 +70,12 @@ PRESETS: dict[str, Preset] = {
         Preset("demo", 128, 384, 4, 4, 2, True, seq_len=256, batch_size=16, lr=3e-3, warmup_steps=50,
                max_steps=640, max_seconds=None, eval_windows=256, max_position_embeddings=8192, mtp_steps=480,
                mtp_copies=False),
+        # The demo of issue 45 (not trained yet; replaces `demo` with its checkpoint): the draft's shape,
+        # 2000 steps (~1 min on one H100), ChatML exchanges in the corpus, a bf16 file (18.9 MB + its MTP
+        # module 3.7 MB, 800 steps on the frozen trunk, without copies of embedding and head: +12.6 MB).
+        Preset("demo-next", 384, 1024, 4, 6, 2, True, seq_len=1024, batch_size=32, lr=2e-3, warmup_steps=100,
+               max_steps=2000, max_seconds=None, eval_windows=256, max_position_embeddings=8192, mtp_steps=800,
+               mtp_copies=False, save_dtype="bfloat16", chat_every=8),
         # Speculative decoding's draft for the target: same tokenizer, <= 1/8 of its parameters.
         Preset("draft", 384, 1024, 4, 6, 2, True, seq_len=1024, batch_size=32, lr=2e-3, warmup_steps=100,
                max_steps=None, max_seconds=120, eval_windows=256),

@@ -134,7 +134,7 @@ def train(opts: TrainOptions) -> dict:
             from llmserve.config import Config
 
             opts.cache_dir = Config.from_env().cache_path / "train"
-        streams, corpus_stats = token_streams(out, Path(opts.cache_dir), opts.max_files, opts.corpus)
+        streams, corpus_stats = token_streams(out, Path(opts.cache_dir), opts.max_files, opts.corpus, preset.chat_every)
         print(
             f"corpus: {corpus_stats['train']['tokens']:,} training tokens from {corpus_stats['train']['files']} files,"
             f" {corpus_stats['heldout']['tokens']:,} held-out tokens from {corpus_stats['heldout']['files']}"
@@ -152,12 +152,12 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
     else:
         config = llama_config(preset, tok.get_vocab_size(), bos, eos, opts.mtp)
     torch.manual_seed(opts.seed)
-    model = LlamaForCausalLM(config)
+    model = LlamaForCausalLM(config).float()  # float32 master weights, whatever dtype DIR's config names
     if frozen:
         trunk = attach.trunk_tensors(src, config.num_hidden_layers)
         attach.load_frozen_trunk(model, trunk)
     model.to(device)
-    mtp = MTPLayer(config).to(device) if opts.mtp else None
+    mtp = MTPLayer(config).float().to(device) if opts.mtp else None
     params = [] if frozen else list(model.parameters())
     params += list(mtp.parameters()) if mtp is not None else []
     groups = [
@@ -290,13 +290,17 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
     if kept != step:
         print(f"kept the weights of step {kept} (held-out check {best['ppl']:.3f} against {final_ppl:.3f} at the end)")
 
+    if preset.save_dtype != "float32":  # rounded as they will be written: the metrics below are the file's
+        with torch.no_grad():
+            for p in [*(() if frozen else model.parameters()), *(mtp.parameters() if mtp is not None else ())]:
+                p.copy_(p.to(getattr(torch, preset.save_dtype)).float())
     t1 = time.perf_counter()
     ev = evaluate(model, mtp, streams["heldout"], S, preset.eval_windows, max(1, B // 2), cuda)
     eval_seconds = time.perf_counter() - t1
     if frozen:
-        attach.save_attached(out, src, trunk, model, mtp, preset.mtp_copies)
+        attach.save_attached(out, src, trunk, model, mtp, preset.mtp_copies, preset.save_dtype)
     else:
-        save_checkpoint(out, model, mtp)
+        save_checkpoint(out, model, mtp, preset.save_dtype)
     metrics = {
         "preset": asdict(preset),
         "params": sum(p.numel() for p in model.parameters()),
@@ -314,6 +318,7 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if cuda else platform.processor() or platform.machine(),
         "precision": "bf16 autocast, fp32 weights" if cuda else "fp32",
+        "save_dtype": preset.save_dtype,
         "threads": threads if not cuda else None,
         "seed": opts.seed,
         "mtp": opts.mtp,
