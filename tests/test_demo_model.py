@@ -29,7 +29,7 @@ old_demo = pytest.mark.xfail(
 
 @pytest.fixture(scope="module")
 def llm(demo_dir):
-    from llmserve.engine.llm import LLM
+    from llmserve.offline import LLM
 
     engine = LLM(demo_dir, max_seq_len=2 * WINDOW, batch_size=WINDOWS)
     yield engine

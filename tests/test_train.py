@@ -465,7 +465,7 @@ def test_bfloat16_checkpoint_and_attached_mtp(trained, tmp_path, monkeypatch):
     assert all(torch.equal(after[k], v) for k, v in trunk.items())
     assert {v.dtype for v in after.values()} == {torch.bfloat16} and len(after) > len(trunk)
     # the exporter widens bf16: the Paddle graph computes transformers' float32 logits of the bf16 weights
-    from llmserve.models.export import export_hf
+    from llmserve.runners.paddle.export import export_hf
     from llmserve.runners.paddle.runner import PaddleRunner
 
     export_hf(tmp_path / "mtp", tmp_path / "static")
