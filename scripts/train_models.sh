@@ -3,7 +3,7 @@
 #  1. the shared byte-level BPE tokenizer (8192 ids) on the training split -> $MODELS/tokenizer
 #  2. target (+ its MTP module) for $TARGET_SECONDS of training                -> $MODELS/target
 #  3. draft for $DRAFT_SECONDS                                                  -> $MODELS/draft
-#  4. DEMO=1: the demo on the CPU (2 threads, its fixed step count; ~8 min)    -> $MODELS/demo
+#  4. DEMO=1: the first demo (demo-cpu) on the CPU (2 threads, its fixed step count; ~8 min) -> $MODELS/demo
 # then prints each model's held-out perplexity and writes $MODELS/summary.json.
 #
 #   scripts/train_models.sh                         # from the repository root
@@ -45,7 +45,7 @@ step tokenizer 60 --tokenizer-only --preset target
 step target $((TARGET_SECONDS + 60)) --preset target --mtp --tokenizer "$MODELS/tokenizer" --max-seconds "$TARGET_SECONDS"
 step draft $((DRAFT_SECONDS + 30)) --preset draft --tokenizer "$MODELS/tokenizer" --max-seconds "$DRAFT_SECONDS"
 if [[ "$DEMO" == 1 ]]; then
-  step demo 660 --preset demo --device cpu --tokenizer "$MODELS/tokenizer"
+  step demo 660 --preset demo-cpu --device cpu --tokenizer "$MODELS/tokenizer"
 fi
 
 "$PY" - "$MODELS" <<'EOF'

@@ -12,7 +12,8 @@ from llmserve.protocol.native import NativeError
 
 def test_defaults_follow_the_seeds():
     r = native.parse({"text": "hi"})
-    assert (r.min_dec_len, r.topp, r.temperature, r.penalty_score) == (1, 0.7, 0.95, 1.0)
+    # penalty_score unset: the model's generation_config.json default, else the seeds' 1.0 (the engine's).
+    assert (r.min_dec_len, r.topp, r.temperature, r.penalty_score) == (1, 0.7, 0.95, None)
     assert (r.frequency_score, r.presence_score, r.stream, r.timeout, r.return_usage) == (0, 0, False, 300, False)
     assert r.req_id and r.req_id != native.parse({"text": "hi"}).req_id  # random each time
 

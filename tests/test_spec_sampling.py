@@ -146,9 +146,10 @@ def ref_probs(logits, prompt, output, params: SamplingParams, eos=()) -> np.ndar
     for t, b in params.logit_bias.items():
         if t < V:
             x[t] += b
+    rep = params.repetition_penalty or 1.0  # None: unset (these models' default is none)
     for t in set(prompt) | set(output):
-        if params.repetition_penalty != 1.0:
-            x[t] = x[t] / params.repetition_penalty if x[t] > 0 else x[t] * params.repetition_penalty
+        if rep != 1.0:
+            x[t] = x[t] / rep if x[t] > 0 else x[t] * rep
     for t in set(output):
         x[t] -= params.frequency_penalty * output.count(t) + params.presence_penalty
     if len(output) < params.min_tokens:

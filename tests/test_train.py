@@ -286,9 +286,9 @@ def test_presets_meet_their_budgets():
             model = transformers.LlamaForCausalLM(llama_config(p, p.vocab_size, 0, (1, 3), mtp=False))
         counts[name] = sum(t.numel() for t in model.parameters())
         assert counts[name] == p.num_params(), name
-    assert counts["demo"] * 4 < 10 * 2**20  # float32 safetensors under 10 MB
-    nxt = PRESETS["demo-next"]  # issue 45's demo: bf16 trunk + MTP module (no copies) + tokenizer <= 24 MB
-    assert (counts["demo-next"] + nxt.mtp_params()) * 2 + 600_000 <= 24e6 and nxt.save_dtype == "bfloat16"
+    assert counts["demo-cpu"] * 4 < 10 * 2**20  # float32 safetensors under 10 MB
+    demo = PRESETS["demo"]  # issue 45's demo: bf16 trunk + MTP module (no copies) + tokenizer <= 24 MB
+    assert (counts["demo"] + demo.mtp_params()) * 2 + 600_000 <= 24e6 and demo.save_dtype == "bfloat16"
     assert 50e6 <= counts["target"] <= 150e6
     assert counts["draft"] * 8 <= counts["target"]
     assert math.isclose(PRESETS["target"].head_dim, 64)
@@ -390,7 +390,7 @@ def test_init_from_refusals(attached, tmp_path, capsys):
     trunk = str(root / "trunk")
     cases = [
         ((trunk,), "--mtp"),  # no --mtp
-        ((trunk, "--mtp", "--preset", "demo"), "hidden_size 64 (preset: 128)"),  # another shape
+        ((trunk, "--mtp", "--preset", "demo-cpu"), "hidden_size 64 (preset: 128)"),  # another shape
         ((trunk, "--mtp", "--tokenizer", trunk), "--tokenizer"),
         ((str(tmp_path / "none"), "--mtp"), "config.json"),
     ]

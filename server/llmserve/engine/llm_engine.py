@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmserve.config import Config
 from llmserve.engine.block_manager import BlockManager
@@ -56,8 +56,17 @@ class _Launch:
 
 
 class LLMEngine:
-    def __init__(self, config: Config, runner: ModelRunner, tokenizer=None, grammar_tokenizer=None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        runner: ModelRunner,
+        tokenizer=None,
+        grammar_tokenizer=None,
+        default_repetition_penalty: float = 1.0,
+    ) -> None:
         self.config = config
+        # For requests that leave it unset: the model's own (generation_config.json, model_repetition_penalty).
+        self.default_repetition_penalty = default_repetition_penalty
         self.runner = runner
         # Without a tokenizer (the engine core process) outputs carry token ids only: the engine
         # server's front process makes their text and checks stop strings.
@@ -124,6 +133,8 @@ class LLMEngine:
     ) -> Request:
         """Queue a request. Raises ValueError (DuplicateRequestError for a req_id in flight)."""
         params = params or SamplingParams()
+        if params.repetition_penalty is None:  # unset: the model's default (a copy: the caller's are its own)
+            params = replace(params, repetition_penalty=self.default_repetition_penalty)
         # An aborted request is in flight until step() hands out its final output: were its req_id
         # reused before that, the caller would take that final output for the new request's.
         if req_id in self.requests or any(o.req_id == req_id for o in self._pending):

@@ -39,7 +39,7 @@ def apply_penalties(
     frequency/presence penalties apply to output tokens: logit -= f * count + p * (count > 0).
     In float32, rounded as the device sampler rounds: (logit - f * count) - p.
     """
-    if params.repetition_penalty != 1.0:
+    if (params.repetition_penalty or 1.0) != 1.0:  # None: unset (the engine fills in the model's default)
         rep = np.float32(params.repetition_penalty)
         seen = np.unique(np.asarray(prompt_ids + output_ids, dtype=np.int64))
         vals = logits[seen]

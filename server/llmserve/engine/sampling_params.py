@@ -3,13 +3,16 @@
 Protocol layers (native, OpenAI) map their fields and defaults onto these:
 native `max_dec_len`/`min_dec_len`/`topp`/`penalty_score`/`frequency_score`/
 `presence_score` become `max_tokens`/`min_tokens`/`top_p`/
-`repetition_penalty`/`frequency_penalty`/`presence_penalty`.
+`repetition_penalty`/`frequency_penalty`/`presence_penalty`. A repetition penalty left unset
+is the model's own default (its generation_config.json, as Hugging Face models ship one).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 
 
 @dataclass
@@ -20,8 +23,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0  # 0: off
     # penalty_score: logits of tokens seen in prompt or output are divided
-    # (positive) or multiplied (negative) by it, as in CTRL / HF.
-    repetition_penalty: float = 1.0
+    # (positive) or multiplied (negative) by it, as in CTRL / HF. None: the model's default
+    # (LLMEngine fills it in from generation_config.json: model_repetition_penalty), else 1.0.
+    repetition_penalty: float | None = None
     # frequency_score / presence_score: logit -= freq * count + pres * (count > 0),
     # counting output tokens only.
     frequency_penalty: float = 0.0
@@ -63,7 +67,7 @@ class SamplingParams:
     @property
     def penalised(self) -> bool:
         """A repetition, frequency or presence penalty applies (its counts must be kept)."""
-        return self.repetition_penalty != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+        return (self.repetition_penalty or 1.0) != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:
@@ -81,7 +85,8 @@ class SamplingParams:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             bad("top_k", f"must be >= 0, got {self.top_k}")
-        if not math.isfinite(self.repetition_penalty) or self.repetition_penalty <= 0:
+        rep = self.repetition_penalty
+        if rep is not None and (not math.isfinite(rep) or rep <= 0):
             bad("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
         for name in ("frequency_penalty", "presence_penalty"):
             if not math.isfinite(getattr(self, name)):
@@ -104,3 +109,17 @@ class SamplingParams:
 
 
 _FIELDS = tuple(f.name for f in fields(SamplingParams))
+
+
+def model_repetition_penalty(model_dir: str | Path) -> float:
+    """The model's default repetition penalty: generation_config.json's `repetition_penalty`, which
+    Hugging Face's `generate` applies too, else 1.0 (none). A request's own value overrides it."""
+    path = Path(model_dir) / "generation_config.json"
+    if not path.is_file():
+        return 1.0
+    value = json.loads(path.read_text(encoding="utf-8")).get("repetition_penalty")
+    if value is None:
+        return 1.0
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{path}: repetition_penalty must be a number > 0, got {value!r}")
+    return float(value)

@@ -75,7 +75,8 @@ class NativeRequest(BaseModel):
     top_k: int = Field(default=0, ge=0)
     temperature: float = Field(default=0.95, ge=0.0, allow_inf_nan=False)
     frequency_score: float = Field(default=0.0, allow_inf_nan=False)
-    penalty_score: float = Field(default=1.0, gt=0.0, allow_inf_nan=False)
+    # None: the model's default (its generation_config.json's repetition_penalty), else 1.0.
+    penalty_score: float | None = Field(default=None, gt=0.0, allow_inf_nan=False)
     presence_score: float = Field(default=0.0, allow_inf_nan=False)
     stream: bool = False
     timeout: float = Field(default=300.0, gt=0.0)

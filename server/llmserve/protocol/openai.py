@@ -182,7 +182,7 @@ class _Sampling(StrictModel):
             "topp": 1.0 if self.top_p is None else self.top_p,
             "presence_score": self.presence_penalty,
             "frequency_score": self.frequency_penalty,
-            "penalty_score": 1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            "penalty_score": self.repetition_penalty,  # None: the model's default
             "min_dec_len": 1 if self.min_tokens is None else self.min_tokens,
             "stop_sequences": list(self.stop or []),
             "return_usage": True,

@@ -7,13 +7,14 @@ import logging
 
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
+from llmserve.engine.sampling_params import model_repetition_penalty
 from llmserve.runners.model_dir import resolve_model_dir, runner_kind
 
 log = logging.getLogger(__name__)
 
 
 def load_model(config: Config):
-    """(runner, tokenizer) for config.model_dir."""
+    """(runner, tokenizer, the model directory it resolved to) for config.model_dir."""
     from llmserve.engine.tokenizer import load_tokenizer
 
     model_dir = resolve_model_dir(config)
@@ -39,10 +40,10 @@ def load_model(config: Config):
         runner.num_kv_blocks,
         runner.block_size,
     )
-    return runner, tokenizer
+    return runner, tokenizer, model_dir
 
 
 def build_engine(config: Config) -> LLMEngine:
     """Load the model of `config.model_dir` (the demo model when none) with the right runner."""
-    runner, tokenizer = load_model(config)
-    return LLMEngine(config, runner, tokenizer)
+    runner, tokenizer, model_dir = load_model(config)
+    return LLMEngine(config, runner, tokenizer, default_repetition_penalty=model_repetition_penalty(model_dir))

@@ -55,8 +55,15 @@ def _config_dict(config: LlamaConfig, dtype: str = "float32") -> dict:
     return d
 
 
-def save_checkpoint(out: Path, model: LlamaForCausalLM, mtp: MTPLayer | None = None, dtype: str = "float32") -> Path:
-    """Write config.json, model.safetensors and generation_config.json into `out`."""
+def save_checkpoint(
+    out: Path,
+    model: LlamaForCausalLM,
+    mtp: MTPLayer | None = None,
+    dtype: str = "float32",
+    repetition_penalty: float | None = None,
+) -> Path:
+    """Write config.json, model.safetensors and generation_config.json into `out` (with the decoding default
+    `repetition_penalty` when given: the server and HF's generate apply it where a request sets none)."""
     out.mkdir(parents=True, exist_ok=True)
     tensors = dict(model.state_dict())
     if model.config.tie_word_embeddings:
@@ -69,5 +76,7 @@ def save_checkpoint(out: Path, model: LlamaForCausalLM, mtp: MTPLayer | None = N
     cfg = model.config
     (out / "config.json").write_text(json.dumps(_config_dict(cfg, dtype), indent=2, sort_keys=True) + "\n")
     gen = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id}
+    if repetition_penalty is not None:
+        gen["repetition_penalty"] = repetition_penalty
     (out / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
     return out

@@ -1,9 +1,10 @@
 """`llmserve train`: train a reference model on the Python standard library (docs/models.md).
 
-llmserve train --preset demo --out models/demo                      # CPU, ~8 min on 2 cores, reproducible
+llmserve train --preset demo --tokenizer DEMO_DIR --out models/demo  # the default model: ~70 s on one H100
 llmserve train --tokenizer-only --out models/tokenizer              # the shared tokenizer alone
 llmserve train --preset target --mtp --tokenizer models/tokenizer --out models/target
 llmserve train --preset demo --init-from models/demo --mtp --out models/demo-mtp   # MTP on a frozen trunk
+llmserve train --preset demo-cpu --device cpu --out models/demo-cpu  # the first demo: ~8 min on 2 CPU cores
 """
 
 from __future__ import annotations

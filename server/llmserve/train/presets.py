@@ -36,6 +36,8 @@ class Preset:
     mtp_copies: bool = True  # --init-from writes the MTP layer's copies of the embedding and LM head
     save_dtype: str = "float32"  # of model.safetensors (bfloat16: half the bytes; readers widen it)
     chat_every: int = 0  # every Nth training file also as a ChatML exchange (corpus.py); 0: none
+    # Written into generation_config.json: the decoding default where a request sets none (None: no default).
+    repetition_penalty: float | None = None
 
     @property
     def head_dim(self) -> int:
@@ -64,18 +66,19 @@ PRESETS: dict[str, Preset] = {
         # Tests: a few seconds on one CPU core.
         Preset("tiny", 64, 128, 2, 4, 2, True, seq_len=64, batch_size=8, lr=3e-3, warmup_steps=5,
                max_steps=30, max_seconds=None, eval_windows=16, vocab_size=384, max_position_embeddings=512),
-        # The demo: 640 steps in about 8 minutes on 2 CPU cores (0.7 s a step); float32 weights 7 MiB.
-        # Its MTP module alone on the frozen trunk (--init-from): 480 steps, ~0.5 s a step; written
-        # without the copies of embedding and head (+8 MiB), so that the file stays under 10 MiB.
-        Preset("demo", 128, 384, 4, 4, 2, True, seq_len=256, batch_size=16, lr=3e-3, warmup_steps=50,
+        # The first demo (until issue 45), reproducible on the CI machine: 640 steps in about 8 minutes on
+        # 2 CPU cores (0.7 s a step); float32 weights 7 MiB. Its MTP module alone on the frozen trunk
+        # (--init-from): 480 steps, ~0.5 s a step, written without the copies of embedding and head.
+        Preset("demo-cpu", 128, 384, 4, 4, 2, True, seq_len=256, batch_size=16, lr=3e-3, warmup_steps=50,
                max_steps=640, max_seconds=None, eval_windows=256, max_position_embeddings=8192, mtp_steps=480,
                mtp_copies=False),
-        # The demo of issue 45 (not trained yet; replaces `demo` with its checkpoint): the draft's shape,
-        # 2000 steps (~1 min on one H100), ChatML exchanges in the corpus, a bf16 file (18.9 MB + its MTP
-        # module 3.7 MB, 800 steps on the frozen trunk, without copies of embedding and head: +12.6 MB).
-        Preset("demo-next", 384, 1024, 4, 6, 2, True, seq_len=1024, batch_size=32, lr=2e-3, warmup_steps=100,
+        # The demo (the default model, docs/models.md): the draft's shape, 2000 steps (~70 s on one H100),
+        # ChatML exchanges in the corpus, a bf16 file (18.9 MB + its MTP module 3.7 MB, 800 steps on the
+        # frozen trunk, without copies of embedding and head: +12.6 MB), and a repetition penalty of 1.2 as
+        # its decoding default: greedy without it, 8 of the 12 everyday prompts loop (train/samples.py).
+        Preset("demo", 384, 1024, 4, 6, 2, True, seq_len=1024, batch_size=32, lr=2e-3, warmup_steps=100,
                max_steps=2000, max_seconds=None, eval_windows=256, max_position_embeddings=8192, mtp_steps=800,
-               mtp_copies=False, save_dtype="bfloat16", chat_every=8),
+               mtp_copies=False, save_dtype="bfloat16", chat_every=8, repetition_penalty=1.2),
         # Speculative decoding's draft for the target: same tokenizer, <= 1/8 of its parameters.
         Preset("draft", 384, 1024, 4, 6, 2, True, seq_len=1024, batch_size=32, lr=2e-3, warmup_steps=100,
                max_steps=None, max_seconds=120, eval_windows=256),

@@ -300,7 +300,7 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
     if frozen:
         attach.save_attached(out, src, trunk, model, mtp, preset.mtp_copies, preset.save_dtype)
     else:
-        save_checkpoint(out, model, mtp, preset.save_dtype)
+        save_checkpoint(out, model, mtp, preset.save_dtype, preset.repetition_penalty)
     metrics = {
         "preset": asdict(preset),
         "params": sum(p.numel() for p in model.parameters()),
