@@ -43,7 +43,12 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     from llmserve.train.presets import PRESETS
 
     t = subparsers.add_parser("train", help="train a model on the Python standard library (HF directory)")
-    t.add_argument("--preset", choices=sorted(PRESETS), default="demo", help="model shape and schedule")
+    t.add_argument(
+        "--preset",
+        choices=sorted(PRESETS),
+        default="demo-cpu",
+        help="model shape and schedule (default: one a CPU trains)",
+    )
     t.add_argument("--out", required=True, metavar="DIR", help="the HF model directory to write")
     t.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     t.add_argument("--seed", type=int, default=0)
