@@ -118,7 +118,6 @@ def test_the_default_demo_is_the_trained_code_model(tmp_path):
     ids = np.concatenate([np.asarray(x, dtype=np.int64) for x in held])
     with torch.inference_mode():
         ppl = evaluate(LlamaForCausalLM.from_pretrained(DEMO_HF_DIR), None, ids, 256, 32, 8, False)["heldout_ppl"]
-    print("held-out perplexity", ppl)
     assert ppl < 100, ppl
     r = _cli("export", "--demo", "--out", str(tmp_path / "demo"))
     assert r.returncode == 0, r.stderr

@@ -146,7 +146,7 @@ def ref_probs(logits, prompt, output, params: SamplingParams, eos=()) -> np.ndar
     for t, b in params.logit_bias.items():
         if t < V:
             x[t] += b
-    rep = params.repetition_penalty or 1.0  # None: unset (these models' default is none)
+    rep = params.repetition
     for t in set(prompt) | set(output):
         if rep != 1.0:
             x[t] = x[t] / rep if x[t] > 0 else x[t] * rep

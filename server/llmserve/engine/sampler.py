@@ -39,8 +39,8 @@ def apply_penalties(
     frequency/presence penalties apply to output tokens: logit -= f * count + p * (count > 0).
     In float32, rounded as the device sampler rounds: (logit - f * count) - p.
     """
-    if (params.repetition_penalty or 1.0) != 1.0:  # None: unset (the engine fills in the model's default)
-        rep = np.float32(params.repetition_penalty)
+    if params.repetition != 1.0:
+        rep = np.float32(params.repetition)
         seen = np.unique(np.asarray(prompt_ids + output_ids, dtype=np.int64))
         vals = logits[seen]
         logits[seen] = np.where(vals > 0, vals / rep, vals * rep)

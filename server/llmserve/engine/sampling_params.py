@@ -65,9 +65,14 @@ class SamplingParams:
         return self.temperature == 0.0 or self.top_k == 1
 
     @property
+    def repetition(self) -> float:
+        """The repetition penalty in force: 1.0 (none) while unset, before the engine fills in the model's."""
+        return self.repetition_penalty or 1.0
+
+    @property
     def penalised(self) -> bool:
         """A repetition, frequency or presence penalty applies (its counts must be kept)."""
-        return (self.repetition_penalty or 1.0) != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
+        return self.repetition != 1.0 or bool(self.frequency_penalty) or bool(self.presence_penalty)
 
     def validate(self) -> None:
         def bad(name: str, why: str) -> None:

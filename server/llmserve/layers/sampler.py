@@ -256,7 +256,7 @@ class DeviceSampler:
     ) -> torch.Tensor:
         rows = self.penalties.rows(reqs)
         p = torch.tensor(
-            [[r.params.repetition_penalty or 1.0, r.params.frequency_penalty, r.params.presence_penalty] for r in reqs],
+            [[r.params.repetition, r.params.frequency_penalty, r.params.presence_penalty] for r in reqs],
             dtype=torch.float32,
         ).to(self.device, non_blocking=True)
         b = torch.tensor(idx, dtype=torch.int64).to(self.device, non_blocking=True)

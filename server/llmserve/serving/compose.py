@@ -43,7 +43,14 @@ def load_model(config: Config):
     return runner, tokenizer, model_dir
 
 
+def engine_over(config: Config, runner, model_dir, tokenizer=None, grammar_tokenizer=None) -> LLMEngine:
+    """The engine over a loaded model, with the model directory's decoding default (generation_config.json)."""
+    return LLMEngine(
+        config, runner, tokenizer, grammar_tokenizer, default_repetition_penalty=model_repetition_penalty(model_dir)
+    )
+
+
 def build_engine(config: Config) -> LLMEngine:
     """Load the model of `config.model_dir` (the demo model when none) with the right runner."""
     runner, tokenizer, model_dir = load_model(config)
-    return LLMEngine(config, runner, tokenizer, default_repetition_penalty=model_repetition_penalty(model_dir))
+    return engine_over(config, runner, model_dir, tokenizer)

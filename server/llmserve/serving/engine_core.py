@@ -53,7 +53,7 @@ from llmserve.config import Config
 from llmserve.engine.heap import freeze_startup_objects
 from llmserve.engine.llm_engine import DuplicateRequestError, LLMEngine
 from llmserve.engine.output import RequestOutput
-from llmserve.engine.sampling_params import SamplingParams, model_repetition_penalty
+from llmserve.engine.sampling_params import SamplingParams
 from llmserve.engine.speculative import SpecStats
 from llmserve.serving import start_status
 from llmserve.serving.arrival_wait import CAP_S, POLL_S, ArrivalWait
@@ -262,15 +262,13 @@ def warmup(engine: LLMEngine, config: Config) -> None:
 
 def load(config: Config) -> LLMEngine:
     """The model and its engine, warmed up (USE_WARMUP=1)."""
-    from llmserve.serving.compose import load_model
+    from llmserve.serving.compose import engine_over, load_model
 
     log.info("loading the model %s (its weights; on a GPU also the KV cache and CUDA graphs)", config.model_dir)
     runner, tokenizer, model_dir = load_model(config)
     # No text here (the server's work): the tokenizer serves structured output's grammars only.
     log.info("setting up the engine (KV cache, sampler, speculative decoding)")
-    engine = LLMEngine(
-        config, runner, grammar_tokenizer=tokenizer, default_repetition_penalty=model_repetition_penalty(model_dir)
-    )
+    engine = engine_over(config, runner, model_dir, grammar_tokenizer=tokenizer)
     if config.use_warmup:
         t1 = time.monotonic()
         log.info("warming up")
