@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests.quant_chec
 
 from bench_gpu import copy_bandwidth, run_engine  # noqa: E402
 
-from llmserve.config import Config  # noqa: E402
+from llmserve.config import Config, parse_kernel_switches  # noqa: E402
 from llmserve.engine.llm_engine import LLMEngine  # noqa: E402
 from llmserve.engine.sampling_params import SamplingParams  # noqa: E402
 from llmserve.runners.torch.runner import TorchRunner  # noqa: E402
@@ -84,11 +84,12 @@ def speed(out: str, shape: str, formats: list[str], kv: bool = True) -> None:
 
     R["device"] = torch.cuda.get_device_name()
     R["torch"] = torch.__version__
-    R["gemv"] = Config.read("gemv")  # LLMSERVE_GEMV
+    R["kernel_switches"] = Config.read("kernel_switches")  # LLMSERVE_KERNEL_SWITCHES (scripts/lab/device_gemv.sh)
+    R["gemv"] = parse_kernel_switches(R["kernel_switches"]).get("gemv", True)
     ckpt = write_random_checkpoint(Path(tempfile.gettempdir()) / f"rand-{shape}", shape)
     R["copy_bandwidth_gbs"] = (bw := copy_bandwidth()) / 1e9
     base = Config(batch_size=256, max_seq_len=2048, block_size=64, max_num_batched_tokens=2048)
-    base = dataclasses.replace(base, enable_prefix_caching=False)
+    base = dataclasses.replace(base, enable_prefix_caching=False, kernel_switches=R["kernel_switches"])
     R["weights"] = rows = {}
     for quant in formats:
         t = time.perf_counter()

@@ -162,8 +162,9 @@ def bench_oracle(out: str, batches: list[int], max_tokens: int, shape: str = "ll
     R["oracle_build_s"] = time.perf_counter() - t
     base = Config(batch_size=max(batches), max_seq_len=1024, block_size=64, max_num_batched_tokens=4096)
     base = dataclasses.replace(
-        base, enable_prefix_caching=False, speculate_method="ngram", speculate_max_draft_tokens=5
-    )
+        base, enable_prefix_caching=False, speculate_method="ngram", speculate_max_draft_tokens=5,
+        kernel_switches=Config.read("kernel_switches"),  # LLMSERVE_KERNEL_SWITCHES (scripts/lab/device_skinny.sh)
+    )  # fmt: skip
     t = time.perf_counter()
     runner = TorchRunner(model_dir, base)  # graphs for decode and for verification with k = 1..5
     R["oracle_load_s"] = time.perf_counter() - t
@@ -262,7 +263,9 @@ def bench_trained(out: str, models: str, max_tokens: int, corpus: str = "") -> N
     # Fixed KV caches (64 sequences each): the MTP method has a runner of its own (its cache holds one
     # more layer, and its steps run the module), so plain decoding and the others never pay for it.
     base = Config(batch_size=64, max_seq_len=1024, block_size=16, max_num_batched_tokens=4096, block_bs=64)
-    base = dataclasses.replace(base, speculate_method="ngram", speculate_max_draft_tokens=5)
+    base = dataclasses.replace(
+        base, speculate_method="ngram", speculate_max_draft_tokens=5, kernel_switches=Config.read("kernel_switches")
+    )
     runner = TorchRunner(str(target), base)
     prompts = heldout_prompts(load_tokenizer(str(target)), 64, 256, corpus)
     methods = {"ngram": dict(speculate_method="ngram")}

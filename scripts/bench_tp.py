@@ -40,13 +40,14 @@ from bench_gpu import copy_bandwidth, matmul_tflops, offline_requests, roofline,
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.sampling_params import SamplingParams
+from llmserve.kernels import switches
 from llmserve.layers.model_config import ModelConfig
 from llmserve.models.random_model import SHAPES, write_random_checkpoint
 
 R: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "gpus": 0}
 OUT = "tp.json"
 PORT = 29517
-ENGINE_KW: dict = {}  # settings of every engine (--separate-norm)
+ENGINE_KW: dict = {}  # settings of every engine (kernel_switches: --separate-norm, --no-push)
 PROFILE = False  # --profile
 
 
@@ -324,18 +325,19 @@ def main() -> None:
     ap.add_argument("--shape", default="llama3-8b", choices=sorted(SHAPES), help="of the random checkpoint")
     ap.add_argument("--offline", action="store_true", help="also the 256-request offline workload at each MP_NUM")
     ap.add_argument(
-        "--separate-norm", action="store_true", help="LLMSERVE_TP_FUSED_NORM=0: sum, then normalize (the baseline)"
+        "--separate-norm", action="store_true", help="switch tp_fused_norm=0: sum, then normalize (the baseline)"
     )
     ap.add_argument(
-        "--no-push", action="store_true", help="LLMSERVE_TP_GEMV_PUSH=0: the fused sums read the GEMVs' rows back"
+        "--no-push", action="store_true", help="switch tp_gemv_push=0: the fused sums read the GEMVs' rows back"
     )
     ap.add_argument("--profile", action="store_true", help="rank 0's kernels a batch-1 decode step (decode)")
     a = ap.parse_args()
     OUT, PROFILE = a.out, a.profile
-    ENGINE_KW["tp_fused_norm"] = not a.separate_norm
-    ENGINE_KW["tp_gemv_push"] = not a.no_push
-    R["fused_norm_setting"] = not a.separate_norm
-    R["gemv_push_setting"] = not a.no_push
+    # LLMSERVE_KERNEL_SWITCHES (kernels/switches.py), then the flags' (a later switch wins)
+    flags = ["tp_fused_norm=0"] * a.separate_norm + ["tp_gemv_push=0"] * a.no_push
+    R["kernel_switches"] = ENGINE_KW["kernel_switches"] = ",".join([Config.read("kernel_switches"), *flags])
+    on = switches.parse(ENGINE_KW["kernel_switches"])
+    R["fused_norm_setting"], R["gemv_push_setting"] = on.tp_fused_norm, on.tp_gemv_push
     mps = [int(x) for x in a.mp.split(",")]
     skip = set(a.skip.split(","))
     work = Path(a.work)

@@ -43,6 +43,15 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
+@pytest.fixture(autouse=True)
+def default_kernel_switches():
+    """After each test the kernel switches (kernels/switches.py) are the defaults again: a runner applies its
+    config's to the whole process."""
+    yield
+    if (switches := sys.modules.get("llmserve.kernels.switches")) is not None:
+        vars(switches.current).update(vars(switches.Switches()))
+
+
 @pytest.fixture
 def fresh_seed(request) -> int:
     """A new seed each run; a failure's report names it (section "random seeds")."""

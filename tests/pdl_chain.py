@@ -12,12 +12,12 @@ def assert_same_bits_with_pdl(monkeypatch, chain: Callable, state: Callable[[], 
     """`chain(*state())` returns a tensor and may write into its state's tensors (residual, caches): the result and
     every state tensor must be the same with PDL off, on (eager), and on in a CUDA graph replayed twice from a fresh
     state."""
-    from llmserve.kernels import pdl
+    from llmserve.kernels import switches
 
-    monkeypatch.setattr(pdl, "PDL_ON", False)
+    monkeypatch.setattr(switches.current, "pdl", False)
     s = state()
     want = (chain(*s), *s)
-    monkeypatch.setattr(pdl, "PDL_ON", True)
+    monkeypatch.setattr(switches.current, "pdl", True)
     s = state()
     assert all(torch.equal(a, b) for a, b in zip((chain(*s), *s), want)), f"eager, {what}"
     side = torch.cuda.Stream()

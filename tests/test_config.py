@@ -116,7 +116,7 @@ def test_bad_timeouts_are_named(var, value):
 
 
 @pytest.mark.parametrize("env,named", [({"LLMSERVE_HOST": ""}, "LLMSERVE_HOST"), ({"TRITON_METRICS_PORT": "0"}, "TRITON_METRICS_PORT"),
-                                       ({"LLMSERVE_TORCH_KERNELS": "fast"}, "LLMSERVE_TORCH_KERNELS"),
+                                       ({"LLMSERVE_KERNEL_SWITCHES": "ref=2"}, "LLMSERVE_KERNEL_SWITCHES"),
                                        ({"CHECK_HEALTH_INTERVAL": "nan"}, "CHECK_HEALTH_INTERVAL")])  # fmt: skip
 def test_new_settings_are_checked(env, named):
     with pytest.raises(ConfigError, match=named):
@@ -124,8 +124,8 @@ def test_new_settings_are_checked(env, named):
 
 
 def test_read_one_setting_ignores_the_others():
-    env = {"BATCH_SIZE": "many", "LLMSERVE_TORCH_KERNELS": "ref", "INTER_QUEUE_PORT": "9000"}
-    assert Config.read("torch_kernels", env) == "ref" and Config.read("inter_proc_port", env) == 9000
+    env = {"BATCH_SIZE": "many", "LLMSERVE_KERNEL_SWITCHES": "ref=1", "INTER_QUEUE_PORT": "9000"}
+    assert Config.read("kernel_switches", env) == "ref=1" and Config.read("inter_proc_port", env) == 9000
     assert Config.read("triton_metrics_port", env) == 8002  # unset: the default
     with pytest.raises(ConfigError, match="BATCH_SIZE='many'"):
         Config.read("batch_size", env)
@@ -191,15 +191,45 @@ def test_every_setting_is_documented_and_every_llmserve_variable_is_a_setting():
     # Every LLMSERVE_* name the package or the scripts use is a setting of Config (or internal).
     sources = [*(ROOT / "server").rglob("*.py"), ROOT / "start_server.sh", ROOT / "stop_server.sh"]
     used = {n for p in sources for n in re.findall(r"LLMSERVE_[A-Z0-9_]+", p.read_text())}
-    assert used - envs - INTERNAL == set()
+    from llmserve.config import RETIRED_SWITCHES
+
+    assert used - envs - INTERNAL - RETIRED_SWITCHES.keys() == set()
 
 
-def test_torch_kernels_import_despite_an_unrelated_bad_setting():
-    pytest.importorskip("torch")
-    code = "import llmserve.kernels as k; print(k._FORCE_REF)"
-    env = {**os.environ, "BATCH_SIZE": "many", "LLMSERVE_TORCH_KERNELS": "ref"}
+def test_a_retired_kernel_setting_is_refused_naming_its_switch():
+    with pytest.raises(ConfigError, match=r"LLMSERVE_GEMV is retired: set LLMSERVE_KERNEL_SWITCHES=gemv=0"):
+        Config.from_env(env={"LLMSERVE_GEMV": "0"})
+
+
+@pytest.mark.parametrize(
+    "raw,named",
+    [("gemv=2", "'gemv=2': expected gemv=0 or gemv=1"), ("ref", "'ref': expected ref=0 or ref=1"),
+     ("gemv=0,fast=1", "unknown switch 'fast' (the switches: gemv, skinny,")],
+)  # fmt: skip
+def test_a_bad_kernel_switch_is_named(raw, named):
+    for check in (lambda: Config.from_env(env={"LLMSERVE_KERNEL_SWITCHES": raw}), Config(kernel_switches=raw).validate):
+        with pytest.raises(ConfigError) as e:
+            check()
+        assert f"LLMSERVE_KERNEL_SWITCHES={raw!r}: {named}" in str(e.value)
+
+
+def test_kernel_switches_are_a_lab_setting_read_where_they_are_used(monkeypatch):
+    """One lab setting holds them (not for users); kernels read the process's switches when they run, never the
+    environment at import: without a runner to apply a config's, they are the defaults."""
+    t = pytest.importorskip("torch").zeros(1)
+    from llmserve.config import KERNEL_SWITCHES
+    from llmserve.kernels import HAS_TRITON, switches, use_triton
+
+    assert Config.__dataclass_fields__["kernel_switches"].metadata["doc"].startswith("lab, for kernel experiments")
+    assert tuple(f.name for f in dataclasses.fields(switches.Switches)) == KERNEL_SWITCHES
+    assert switches.parse("") == switches.Switches() and not switches.Switches().ref  # the rest on
+    assert switches.parse(" gemv=0, pdl=0,gemv=1 ") == switches.Switches(pdl=False)  # a later one wins
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert use_triton(t) == HAS_TRITON
+    assert switches.apply(Config(kernel_switches="ref=1")) is switches.current and not use_triton(t)
+    switches.apply(Config())
+    assert switches.current == switches.Switches() and use_triton(t) == HAS_TRITON
+    code = "import llmserve.models.llama; from llmserve.kernels import switches; print(switches.current.ref)"
+    env = {**os.environ, "BATCH_SIZE": "many", "LLMSERVE_KERNEL_SWITCHES": "ref=1,bad"}
     r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and r.stdout.split() == ["True"], r.stderr[-2000:]
-    env["LLMSERVE_TORCH_KERNELS"] = "fast"
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode != 0 and "LLMSERVE_TORCH_KERNELS='fast'" in r.stderr
+    assert r.returncode == 0 and r.stdout.split() == ["False"], r.stderr[-2000:]

@@ -20,6 +20,7 @@ from llmserve.engine.sampling_params import SamplingParams
 from llmserve.layers.model_config import ModelConfig
 from llmserve.runners.paddle.export import export_random
 from llmserve.runners.paddle.runner import PaddleRunner
+from llmserve.serving.testing import record
 
 VOCAB = 320
 SEED = random.SystemRandom().randrange(1 << 30)
@@ -236,6 +237,37 @@ def received(client, items: list) -> list:
     return items
 
 
+def test_engine_server_takes_records_as_checked(engine_server, monkeypatch):
+    """The engine server validates nothing again: with every pydantic entry point of the native request
+    broken, records (made where the request entered) are still admitted and served; a message that is
+    not a record is refused with a 400."""
+    from llmserve.protocol import native
+    from llmserve.serving.ipc import dumps
+
+    server = engine_server
+    recs = [record({"input_ids": [1, 2, 3], "req_id": f"v{i}", "max_tokens": 3, "stop": "zz"}) for i in range(3)]
+
+    def boom(*a, **k):
+        raise AssertionError("validated again")
+
+    monkeypatch.setattr(native, "parse", boom)
+    monkeypatch.setattr(native.NativeRequest, "model_validate", boom)
+    monkeypatch.setattr(native.NativeRequest, "__init__", boom)
+    client = dealer(server.cfg.inter_proc_port, b"records")
+    items: list = []
+    try:
+        for rec in recs:
+            client.send(dumps({"op": "add", "req_id": rec["req_id"], "request": rec}))
+        client.send(dumps({"op": "add", "req_id": "junk", "request": ["not", "a", "record"]}))
+        pump(server, lambda: sum(i["is_end"] for i in received(client, items)) == 4)
+        finals = {i["req_id"]: i for i in items if i["is_end"]}
+        assert all(finals[r["req_id"]]["error_code"] == 0 for r in recs), finals
+        assert sum(len(i.get("token_ids") or []) for i in items if i["req_id"] == "v0") == 3
+        assert finals["junk"]["error_code"] == 400 and "not a request record" in finals["junk"]["error_msg"]
+    finally:
+        client.close(0)
+
+
 def test_engine_server_cancel_then_same_req_id(engine_server):
     """A client's abort and, right after it, a new request with that req_id: the aborted one sends
     nothing more (no final output), the new one runs to its own end; every block is freed."""
@@ -246,11 +278,11 @@ def test_engine_server_cancel_then_same_req_id(engine_server):
     body = {"input_ids": [1, 2, 3], "req_id": "x", "max_dec_len": 100, "min_dec_len": 100}
     items: list = []
     try:
-        client.send(dumps({"op": "add", "body": body}))
+        client.send(dumps({"op": "add", "request": record(body)}))
         pump(server, lambda: received(client, items))
         client.send(dumps({"op": "abort", "req_id": "x"}))
         new = body | {"max_dec_len": 5, "min_dec_len": 5, "return_usage": True}
-        client.send(dumps({"op": "add", "body": new}))
+        client.send(dumps({"op": "add", "request": record(new)}))
         pump(server, lambda: any(i["is_end"] for i in received(client, items)))
         pump(server, lambda: server.kv[2] == 0 and not server.live)  # the core reports its blocks free
         finals = [i for i in items if i["is_end"]]
@@ -276,7 +308,7 @@ def test_engine_server_admits_a_burst_up_to_the_batch_and_its_queue(demo_dir):
     items: list = []
     try:
         for i, p in enumerate(prompts + ["z = 1\n", "print(", "# a", "y"]):  # 4 + 2 fit, 4 more
-            client.send(dumps({"op": "add", "body": body | {"text": p, "req_id": f"b{i}"}}))
+            client.send(dumps({"op": "add", "request": record(body | {"text": p, "req_id": f"b{i}"})}))
         pump(server, lambda: sum(i["is_end"] for i in received(client, items)) == len(prompts) + 4)
         ends = {i["req_id"]: i for i in items if i["is_end"]}
         rejected = [r for r, i in ends.items() if i["error_code"] == 429]
@@ -286,7 +318,7 @@ def test_engine_server_admits_a_burst_up_to_the_batch_and_its_queue(demo_dir):
         burst = {r: "".join(i.get("result", "") for i in items if i["req_id"] == r) for r in ends if r not in rejected}
         for i, p in enumerate(prompts):  # alone, one after another
             alone: list = []
-            client.send(dumps({"op": "add", "body": body | {"text": p, "req_id": f"a{i}"}}))
+            client.send(dumps({"op": "add", "request": record(body | {"text": p, "req_id": f"a{i}"})}))
             pump(server, lambda alone=alone: any(i["is_end"] for i in received(client, alone)))
             assert "".join(i.get("result", "") for i in alone) == burst[f"b{i}"], p
     finally:
@@ -304,15 +336,15 @@ def test_engine_server_admits_a_burst_a_slice_at_a_time(engine_server, monkeypat
 
     server = engine_server
     calls: list[tuple[int, int]] = []  # (bodies parsed, requests sent to the core before)
-    parse = native.parse_burst
-    monkeypatch.setattr(native, "parse_burst", lambda b, t: calls.append((len(b), server.adds_sent)) or parse(b, t))
+    parse = native.tokenize_burst
+    monkeypatch.setattr(native, "tokenize_burst", lambda b, t: calls.append((len(b), server.adds_sent)) or parse(b, t))
     client = dealer(server.cfg.inter_proc_port, b"slices")
     n = 2 * es.ADMIT_SLICE + 5
     items: list = []
     try:
         for i in range(n):
             body = {"input_ids": [1 + i % 7, 2, 3], "req_id": f"s{i}", "max_dec_len": 2, "min_dec_len": 2}
-            client.send(dumps({"op": "add", "body": body}))
+            client.send(dumps({"op": "add", "request": record(body)}))
         time.sleep(0.2)  # all of them queued at the ROUTER: one round takes them together
         pump(server, lambda: sum(i["is_end"] for i in received(client, items)) == n)
         sizes = [size for size, _ in calls]
@@ -335,9 +367,9 @@ def test_engine_server_aborts_the_requests_of_a_client_that_is_gone(engine_serve
     body = {"input_ids": [1, 2, 3], "max_dec_len": 200, "min_dec_len": 200}
     items: list = []
     try:
-        old.send(dumps({"op": "add", "body": body | {"req_id": "o1"}}))
-        old.send(dumps({"op": "add", "body": body | {"req_id": "o2"}}))
-        new.send(dumps({"op": "add", "body": body | {"req_id": "n1"}}))
+        old.send(dumps({"op": "add", "request": record(body | {"req_id": "o1"})}))
+        old.send(dumps({"op": "add", "request": record(body | {"req_id": "o2"})}))
+        new.send(dumps({"op": "add", "request": record(body | {"req_id": "n1"})}))
         pump(server, lambda: set(server.live) == {"o1", "o2", "n1"} and server.kv[2] > 0)
         assert not server.gone
         old.close(0)  # the process died: its connection closes

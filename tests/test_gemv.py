@@ -190,7 +190,8 @@ INTERP_SCRIPT = textwrap.dedent(
     canon = dict(qweight=q, scales=sc, zeros=z, **g4)
     x = torch.randn(3, 256, generator=gen).to(torch.bfloat16)
     assert torch.equal(W4(torch.bfloat16).apply(canon, x, None, torch.float32), G.gemv(x, g4["g4_weight"], g4["g4_sz"], 0, None, torch.float32))
-    G.GEMV_MAX_M = 0  # off: the tensor-core kernels, a different summation order
+    from llmserve.kernels import switches
+    switches.current.gemv = False  # off: the tensor-core kernels, a different summation order
     assert not G.gemv_ok(x[:1], w) and not G.gemv_ok(x[:1], g4["g4_weight"])
     print("ok", len(cases))
     """
@@ -298,14 +299,15 @@ def test_gpu_rows_added_in_and_the_norm_left_pending(fmt, fresh_seed):
     assert torch.equal(got, rows) and torch.equal(caches[0], caches[2]) and torch.equal(caches[1], caches[3])
 
 
-def test_pdl_setting_and_where_it_applies():
+def test_pdl_switch_and_where_it_applies():
     from llmserve.config import Config, ConfigError
+    from llmserve.kernels import switches
     from llmserve.kernels.pdl import pdl_on
 
-    for bad in ("2", "maybe"):
-        with pytest.raises(ConfigError, match="LLMSERVE_PDL"):
-            Config.from_env({"LLMSERVE_PDL": bad}).validate()
-    assert Config.from_env({"LLMSERVE_PDL": "0"}).pdl is False
+    for bad in ("pdl=2", "pdl=maybe"):
+        with pytest.raises(ConfigError, match="LLMSERVE_KERNEL_SWITCHES='pdl="):
+            Config.from_env({"LLMSERVE_KERNEL_SWITCHES": bad})
+    assert switches.Switches().pdl and switches.parse("pdl=0").pdl is False
     assert not pdl_on(torch.zeros(1))  # off on the CPU (and under the interpreter: CPU tensors)
 
 

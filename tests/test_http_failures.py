@@ -26,7 +26,7 @@ def test_front_end_500s_are_counted_in_the_failure_metric(tmp_path, monkeypatch)
         async def close(self) -> None:
             pass
 
-        async def stream(self, body: dict, raw: bytes | None = None):
+        async def stream(self, body: dict):
             for k in range(self.good):
                 yield {"req_id": body["req_id"], "token": "x", "token_ids": [k], "is_end": 0, "error_code": 0}
             raise RuntimeError("a bug")

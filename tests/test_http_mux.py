@@ -13,7 +13,8 @@ import httpx
 import pytest
 
 from llmserve.http.triton_client import TritonBackend
-from llmserve.serving.testing import http_stack
+from llmserve.serving.testing import http_stack, record
+from llmserve.utils.wire import dumps
 
 URL = "/v1/chat/completions"
 LONG = 2000  # tokens: far longer than any abort takes
@@ -109,14 +110,14 @@ def test_the_shared_stream_forgets_every_request(stack):
         try:
             ends = []
             for i in range(4):  # run to their end
-                async with contextlib.aclosing(backend.stream({**body(i, 4), "req_id": f"end-{i}"})) as gen:
+                async with contextlib.aclosing(backend.stream(record({**body(i, 4), "req_id": f"end-{i}"}))) as gen:
                     ends.append([item async for item in gen][-1]["is_end"])
             for i in range(6):  # left after their first item
-                async with contextlib.aclosing(backend.stream({**body(i), "req_id": f"left-{i}"})) as gen:
+                async with contextlib.aclosing(backend.stream(record({**body(i), "req_id": f"left-{i}"}))) as gen:
                     assert (await anext(gen))["error_code"] == 0
             mux = backend._stream_mux()
             mux._abort("early")  # the engine knows no "early" yet: nothing happens
-            raw = json.dumps({**body(0), "req_id": "early"}).encode()
+            raw = dumps(record({**body(0), "req_id": "early"}))
             tid, _ = mux.open(raw, "early")
             mux.routes.pop(tid)  # the reader left, its abort (above) already sent
             mux.abandoned[tid] = "early"

@@ -52,7 +52,6 @@ class ScriptedBackend:
         self.n_tokens = n_tokens
         self.delay = delay
         self.bodies: list[dict] = []
-        self.raws: list[bytes | None] = []
         self.closed: list[str] = []
 
     async def ready(self) -> bool:
@@ -61,9 +60,8 @@ class ScriptedBackend:
     async def close(self) -> None:
         pass
 
-    async def stream(self, body: dict, raw: bytes | None = None):
+    async def stream(self, body: dict):
         self.bodies.append(body)
-        self.raws.append(raw)
         req_id = body["req_id"]
         prompt = body.get("text") or json.dumps(body.get("messages") or body.get("input_ids"))
         if "ERR" in prompt:
@@ -137,29 +135,24 @@ def test_native_stream_ndjson(client, backend):
 
 
 @pytest.mark.parametrize(
-    "sent,forwarded",
+    "sent",
     [
-        (b'{"text": "hi", "req_id": "abc"}', True),
-        ('{"text":"h\\u00e9 \u00e9 \\ud83d\\ude00","max_dec_len":2}'.encode(), True),  # escapes, UTF-8
-        (b'{"input_ids":[1,2,3], "req_id": "x-1"}', True),
-        (b'{"input_ids":[7]}', True),
-        (b' {"text":"hi"}', False),  # not the brace first: re-encoded
+        b'{"text": "hi", "req_id": "abc"}',
+        '{"text":"h\\u00e9 \u00e9 \\ud83d\\ude00","max_dec_len":2}'.encode(),  # escapes, UTF-8
+        b'{"input_ids":[1,2,3], "req_id": "x-1", "max_tokens": 4, "stop": "x"}',  # aliases, a lone stop
     ],
 )
-def test_native_forwards_the_clients_bytes(client, backend, sent, forwarded):
+def test_native_sends_the_checked_record(client, backend, sent):
+    """What goes on to Triton is the request as validated here: every field by its own name, aliases
+    resolved and defaults filled in (the adapter and the engine take it as checked)."""
+    from llmserve.protocol import native
+
     r = client.post(URL, content=sent, headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
-    body, raw = backend.bodies[-1], backend.raws[-1]
-    assert body["req_id"] and (raw is not None) == forwarded
-    if raw is not None:  # the same body, req_id included, without a second encoding
-        assert json.loads(raw) == body and raw.endswith(sent[1:])
-
-
-def test_forwarded_bytes_of_an_empty_object():
-    from llmserve.http.native import forwarded_bytes
-
-    assert json.loads(forwarded_bytes(b"{ }", {}, "r1")) == {"req_id": "r1"}
-    assert json.loads(forwarded_bytes(b'{"a":1}', {"a": 1}, "r2")) == {"req_id": "r2", "a": 1}
+    body = backend.bodies[-1]
+    want = native.parse(json.loads(sent) | {"req_id": body["req_id"]})
+    assert body == native.record(want) and body["req_id"]
+    assert native.from_record(body) == want  # the engine server's copy, without validation
 
 
 def test_native_non_stream_and_defaults(client, backend):

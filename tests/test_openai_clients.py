@@ -322,11 +322,11 @@ def test_prediction_tokens_reach_the_sampling_params(tokenizer):
     })  # fmt: skip
     (body,) = req.to_native()
     assert body["prediction"] == text
-    ((parsed, ids),) = native.parse_burst([body], tokenizer)
+    ((parsed, ids),) = native.tokenize_burst([native.parse(body)], tokenizer)
     params = native.admit(parsed, ids, 2048, 1024)
     assert params.prediction == text and params.prediction_token_ids == tokenizer.encode(text, False)
     assert type(params)(**params.as_dict()).prediction_token_ids == params.prediction_token_ids  # the core's copy
-    ((parsed, ids),) = native.parse_burst([body | {"prediction": text * 50}], tokenizer)
+    ((parsed, ids),) = native.tokenize_burst([native.parse(body | {"prediction": text * 50})], tokenizer)
     with pytest.raises(native.NativeError) as e:
         native.admit(parsed, ids, len(ids) + 8, 4)  # a prediction longer than the context
     assert e.value.param == "prediction" and e.value.code == 400

@@ -16,6 +16,7 @@ import pytest
 from llmserve.config import Config
 from llmserve.engine.llm_engine import LLMEngine
 from llmserve.engine.sampling_params import SamplingParams
+from llmserve.serving.testing import record
 from tests.test_torch_runner import tiny_checkpoint
 
 
@@ -202,7 +203,7 @@ def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_
     try:
         for i, (p, stop, _, _) in enumerate(cases):
             body = {"text": p, "req_id": f"s{i}", "max_dec_len": 24, "top_k": 1, "stop": stop, "return_usage": True}
-            client.send(dumps({"op": "add", "req_id": f"s{i}", "body": body | {"eos_token_ids": []}}))
+            client.send(dumps({"op": "add", "req_id": f"s{i}", "request": record(body | {"eos_token_ids": []})}))
         body = {
             "text": prompts[0],
             "req_id": "len",
@@ -211,7 +212,7 @@ def test_stop_strings_and_lengths_end_exactly_through_the_engine_server(tiny_hf_
             "top_k": 1,
             "return_usage": True,
         }
-        client.send(dumps({"op": "add", "req_id": "len", "body": body}))
+        client.send(dumps({"op": "add", "req_id": "len", "request": record(body)}))
         items: list[dict] = []
         deadline = time.monotonic() + 120
         while sum(i["is_end"] for i in items) < len(cases) + 1:

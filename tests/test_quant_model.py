@@ -257,14 +257,13 @@ def test_a_quantized_kv_cache_is_sized_from_its_bytes(tmp_path):
     "fmt", ["gptq-act-order", "awq", "fp8-block", "fp8-channel", "weight_only_int8", "weight_only_int4", "fp8",
             "kv-int8", "kv-fp8"],
 )  # fmt: skip
-def test_quantized_models_on_the_gpu(tmp_path, fmt, monkeypatch):
+def test_quantized_models_on_the_gpu(tmp_path, fmt):
     """The CUDA paths (Triton GEMMs, FP8 tensor cores with per-token activation scales, the quantized
     KV cache) in a bf16 model: prompt logits against HF in fp32 over the dequantized weights, within
     a bf16 model's error (FP8 activations add theirs), and greedy decoding (CUDA graphs) runs, with PDL on in every
     format (kernels/pdl.py; the 4-bit GEMV launches without it)."""
-    from llmserve.kernels import pdl
+    from llmserve.kernels import switches
 
-    monkeypatch.setattr(pdl, "PDL_ON", True)
     src, dst, ref = tmp_path / "src", tmp_path / "q", tmp_path / "ref"
     tiny(src, 5)
     kw, model = {}, dst
@@ -305,7 +304,9 @@ def test_quantized_models_on_the_gpu(tmp_path, fmt, monkeypatch):
         err = float((a[-1].float().cpu() - b[-1]).norm() / b[-1].norm())
         assert err < bound, (fmt, err)
     runner = make_runner(model, block_bs=4, **kw)
-    assert pdl.PDL_ON, fmt  # (every format: the 4-bit GEMV itself launches without it)
+    assert switches.current.pdl, (
+        fmt
+    )  # the runner's config's: on (every format: the 4-bit GEMV itself launches without it)
     reqs = [Request(f"g{i}", p, SamplingParams(max_tokens=12, temperature=0.0)) for i, p in enumerate(prompts)]
     Driver(runner, chunk=16).run(reqs)
     assert all(len(r.output_token_ids) == 12 for r in reqs)

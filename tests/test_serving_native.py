@@ -144,8 +144,8 @@ def test_launcher_uses_an_image_s_own_tritonserver(tmp_path, monkeypatch):
         launcher.triton_command(grpc_port=1, metrics_port=2, work_dir=tmp_path / "w3")
 
 
-def test_parse_burst_gives_each_request_its_own_ids_or_error():
-    """A burst parsed and encoded at once: each body's ids are what prompt_token_ids gives it alone
+def test_tokenize_burst_gives_each_request_its_own_ids_or_error():
+    """A burst's records taken and encoded at once: each body's ids are what prompt_token_ids gives it alone
     (text with special tokens, a chat rendering without, input_ids as given); a body that does not
     parse and a chat template's error stay with their own request."""
     from llmserve.engine.tokenizer import load_tokenizer
@@ -161,7 +161,13 @@ def test_parse_burst_gives_each_request_its_own_ids_or_error():
         {"messages": [{"role": "assistant", "content": "a"}, {"role": "assistant", "content": "b"}, 1]},
         {"text": "for i in range(3):"},
     ]
-    got = native.parse_burst(bodies, tok)
+    reqs = []
+    for body in bodies:  # as the engine server gets them: the records of those that parse (native.record)
+        try:
+            reqs.append(native.from_record(native.record(native.parse(body))))
+        except NativeError as e:
+            reqs.append(e)
+    got = native.tokenize_burst(reqs, tok)
     assert len(got) == len(bodies)
     for body, entry in zip(bodies, got):
         try:

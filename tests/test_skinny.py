@@ -85,13 +85,12 @@ def test_kernel_under_interpreter(fresh_seed):
     triton_interpreter.run_script(script, fresh_seed)
 
 
-def test_which_products_it_takes():
+def test_which_products_it_takes(monkeypatch):
     """2-16 rows of a bf16/fp16 weight in x's dtype, K contiguous; not one row (the GEMV's), 17, fp32 or int8
     weights, a transposed weight, or CPU tensors (no Triton there)."""
     from llmserve.kernels import skinny as S
+    from llmserve.kernels import switches
 
-    if S.SKINNY_MAX_M == 0:
-        pytest.skip("LLMSERVE_SKINNY=0")
     w = torch.zeros(64, 32, dtype=torch.bfloat16)
     x = torch.zeros(4, 32, dtype=torch.bfloat16)
     assert not S.skinny_ok(x, w)  # CPU: the caller's torch product
@@ -102,6 +101,8 @@ def test_which_products_it_takes():
     assert not S.skinny_ok(x[:1], w) and not S.skinny_ok(torch.zeros(17, 32, dtype=w.dtype).cuda(), w)
     assert not S.skinny_ok(x.float(), w.float()) and not S.skinny_ok(x, w.half())
     assert not S.skinny_ok(x, torch.zeros(32, 64, dtype=w.dtype).cuda().t())
+    monkeypatch.setattr(switches.current, "skinny", False)  # its baseline: cuBLAS
+    assert not S.skinny_ok(x, w)
 
 
 @pytest.mark.gpu
@@ -131,8 +132,6 @@ def test_gpu_layers_and_lm_head_take_it(fresh_seed):
     from llmserve.layers.linear import Linear
     from llmserve.layers.quant.methods import LinearMethod
 
-    if S.SKINNY_MAX_M == 0:
-        pytest.skip("LLMSERVE_SKINNY=0")
     gen = torch.Generator().manual_seed(fresh_seed)
     w = torch.randn(768, 512, generator=gen).to(torch.bfloat16).cuda()
     bias = torch.randn(768, generator=gen).to(torch.bfloat16).cuda()

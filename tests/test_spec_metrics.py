@@ -20,6 +20,7 @@ from llmserve.bench.report import format_table
 from llmserve.config import Config
 from llmserve.serving.engine_core import spec_sum
 from llmserve.serving.metrics import EngineMetrics
+from llmserve.serving.testing import record
 
 
 def stats_msg(**kw) -> dict:
@@ -279,7 +280,7 @@ def test_engine_server_stats_carry_spec_deltas(tiny_hf_dir):
     stats: list[dict] = []
     try:
         monitor.send(dumps({"op": "hello", "role": "monitor"}))
-        client.send(dumps({"op": "add", "req_id": "r", "body": body}))
+        client.send(dumps({"op": "add", "req_id": "r", "request": record(body)}))
         deadline = time.monotonic() + 60
         done_at = None
         while done_at is None or time.monotonic() < done_at + 1.2:  # then 2 more heartbeats

@@ -193,7 +193,7 @@ def test_what_each_configuration_needs():
         ("torch", "LLMSERVE_RUNNER"),
         ("triton", "LLMSERVE_RUNNER"),
     }
-    assert ("triton", "LLMSERVE_RUNNER") not in needs(runner="torch", device="cuda", torch_kernels="ref")
+    assert ("triton", "LLMSERVE_RUNNER") not in needs(runner="torch", device="cuda", kernel_switches="ref=1")
     assert {("fastapi", "SERVICE_HTTP_PORT"), ("uvicorn", "SERVICE_HTTP_PORT")} <= needs(service_http_port=8000)
     assert ("torch", "MP_NUM") in needs(runner="paddle", mp_num=2, service_http_port=-1)
     assert preflight.installed("json") and not preflight.installed("no_such_package_here")

@@ -158,7 +158,7 @@ class TextBackend(ScriptedBackend):
         super().__init__()
         self.text, self.rng = text, random.Random(seed)
 
-    async def stream(self, body: dict, raw: bytes | None = None):
+    async def stream(self, body: dict):
         self.bodies.append(body)
         pieces, i = [], 0
         while i < len(self.text):
@@ -223,7 +223,7 @@ def test_without_tools_or_parser_the_text_is_content(fresh_seed):
     r, backend = _post(SAID, CHAT, fresh_seed)
     m = r.json()["choices"][0]
     assert m["message"] == {"role": "assistant", "content": SAID} and m["finish_reason"] == "stop"
-    assert "tools" not in backend.bodies[0]
+    assert backend.bodies[0]["tools"] is None
 
 
 def test_the_demo_template_renders_tools_in_hermes_form(demo_dir):

@@ -147,9 +147,11 @@ def test_step_logits_match_transformers_forward(tmp_path, fresh_seed):
     assert_logits_match_transformers(tmp_path, (13, 2, 40), seed=fresh_seed)
 
 
-def assert_logits_match_transformers(tmp_path, lengths: tuple[int, ...], max_tokens: int = 6, seed: int = 5) -> None:
+def assert_logits_match_transformers(
+    tmp_path, lengths: tuple[int, ...], max_tokens: int = 6, seed: int = 5, **cfg
+) -> None:
     tiny_checkpoint(tmp_path, "llama", seed=seed)
-    runner = make_runner(tmp_path, block_bs=4)
+    runner = make_runner(tmp_path, block_bs=4, **cfg)
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path).to(runner.device)  # fp32 reference
     rng = np.random.default_rng(seed + 1)
     reqs = [
@@ -178,6 +180,18 @@ def assert_logits_match_transformers(tmp_path, lengths: tuple[int, ...], max_tok
             theirs = hf16(ids).logits[0, r.num_prompt_tokens - 1 :].float().cpu()
             hf_err = float((theirs - ref).norm() / ref.norm())
             assert err < max(1e-2, 1.5 * hf_err), (r.req_id, err, hf_err)
+
+
+def test_the_runner_applies_its_configs_switches(tmp_path):
+    """LLMSERVE_KERNEL_SWITCHES (a lab setting, kernels/switches.py) are the process's from a runner's construction on,
+    every switch its config does not name at its default."""
+    from llmserve.kernels import switches
+
+    tiny_checkpoint(tmp_path, "llama", seed=5)
+    make_runner(tmp_path, block_bs=4, kernel_switches="skinny=0,ref=1")
+    assert switches.current == switches.Switches(skinny=False, ref=True)
+    make_runner(tmp_path, block_bs=4)
+    assert switches.current == switches.Switches()
 
 
 def test_sampler_matches_host_definitions():
@@ -514,17 +528,15 @@ def test_cuda_graph_decode_matches_eager(tmp_path):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("gemv_norm", [True, False])
-def test_one_stream_decode_matches_transformers(tmp_path, gemv_norm, monkeypatch):
+def test_one_stream_decode_matches_transformers(tmp_path, gemv_norm):
     """One stream's decode steps run the GEMVs, with the norms in them (model.py `Normed`) or as kernels of their
-    own (LLMSERVE_GEMV_NORM=0): its logits against HF's forward, as above."""
-    from llmserve.models import llama as model
-
-    monkeypatch.setattr(model, "GEMV_NORM", gemv_norm)
+    own (the kernel switch gemv_norm=0, which the runner applies): its logits against HF's forward, as above."""
+    switch = {"kernel_switches": f"gemv_norm={int(gemv_norm)}"}
     tiny_checkpoint(tmp_path, "llama", seed=5)
-    m = make_runner(tmp_path, block_bs=4).model
+    m = make_runner(tmp_path, block_bs=4, **switch).model
     assert m.norms_in_gemvs(torch.zeros(1, m.cfg.hidden_size, device="cuda", dtype=m.dtype)) == gemv_norm
     assert not m.norms_in_gemvs(torch.zeros(2, m.cfg.hidden_size, device="cuda", dtype=m.dtype))
-    assert_logits_match_transformers(tmp_path, (21,), max_tokens=12)
+    assert_logits_match_transformers(tmp_path, (21,), max_tokens=12, **switch)
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -343,7 +343,7 @@ def _submit(model, engine, n: int) -> list[_Request]:
     engine.wait_for(lambda got: sum(m["op"] == "add" for m in got) >= n)
     adds = [m for m in engine.got if m["op"] == "add"]
     for r, m in zip(reqs, adds[-n:]):
-        body = m["body"]  # a map, its req_id set and beside it
+        body = m["request"]  # the checked record, its req_id beside it
         assert isinstance(body, dict) and body["req_id"] == m["req_id"] == _rid(r) and body["text"] == "hi"
     return reqs
 
@@ -479,6 +479,7 @@ def test_adapter_fails_requests_when_the_engine_goes_silent(wired):
 # ---- the real stack: a stopped stub, then its backlog ------------------------------------------
 tritonclient = pytest.importorskip("tritonclient.grpc")
 from llmserve.serving.supervisor import STUB, stub_state  # noqa: E402
+from llmserve.serving.testing import record  # noqa: E402
 from llmserve.triton.client import TritonStream, collect  # noqa: E402
 
 N_TOKENS = 200
@@ -495,7 +496,7 @@ def _engine_alone(port: int, body: dict, timeout: float = 120) -> list[int]:
             link.monitor.poll(100)
             link.events()
         body = {**body, "req_id": f"ref-{uuid.uuid4()}"}
-        assert link.send({"op": "add", "req_id": body["req_id"], "body": body})
+        assert link.send({"op": "add", "req_id": body["req_id"], "request": record(body)})
         ids, deadline = [], time.monotonic() + timeout
         while time.monotonic() < deadline:
             if link.sock.poll(500):

@@ -20,12 +20,13 @@ from pathlib import Path
 import pytest
 
 from llmserve.serving.supervisor import STUB
-from llmserve.serving.testing import ServingStack, process_tree
+from llmserve.serving.testing import ServingStack, process_tree, record
 
 tritonclient = pytest.importorskip("tritonclient.grpc")
 from llmserve.triton.client import TritonStream, collect  # noqa: E402
 
 MAX_SEQ_LEN, MAX_DEC_LEN = 4096, 2048
+EDGE_TOKEN = uuid.uuid4().hex  # what the HTTP front end would hold
 WORDS = "river stone quiet lamp orbit maple signal harbor velvet echo copper meadow lantern drift cobalt ember".split()
 
 
@@ -40,6 +41,7 @@ def random_prompts(n: int) -> list[str]:
 def stack(tmp_path_factory, demo_dir):
     # No MODEL_DIR: the stack serves the demo model (built above into LLMSERVE_CACHE_DIR).
     env = {"MAX_SEQ_LEN": MAX_SEQ_LEN, "MAX_DEC_LEN": MAX_DEC_LEN, "BLOCK_BS": 16, "CHECK_HEALTH_INTERVAL": 5}
+    env["LLMSERVE_EDGE_TOKEN"] = EDGE_TOKEN
     s = ServingStack(tmp_path_factory.mktemp("stack"), **env)
     s.env.pop("MODEL_DIR", None)
     s.start()
@@ -119,6 +121,23 @@ def test_admission_errors(stack, client):
     # Not JSON at all: the adapter answers 400 itself.
     (msg,) = collect(client.submit_raw(b"{not json"))
     assert msg["error_code"] == 400 and msg["is_end"] == 1
+
+
+def test_a_record_is_taken_as_checked_only_with_the_edge_token(stack, client):
+    """The HTTP front end's records (msgpack) go on unchecked when they carry EDGE_TOKEN; without it the
+    adapter validates them as it does a direct client's JSON. A req_id past 256 characters is a rule that
+    only validation knows: refused naming it without the token, served with it."""
+    from llmserve.protocol import RECORD_PARAM, native
+    from llmserve.utils.wire import dumps
+
+    rec = native.record(native.parse({"text": "hi", "max_dec_len": 2})) | {"req_id": "r" * 300}
+    for token, refused in [("", True), ("not-" + EDGE_TOKEN, True), (EDGE_TOKEN, False)]:
+        msgs = collect(client.submit_raw(dumps(rec), rec["req_id"], {RECORD_PARAM: token}))
+        if refused:
+            assert msgs[-1]["error_code"] == 400 and msgs[-1]["error_param"] == "req_id", (token, msgs)
+        else:
+            assert msgs[-1]["error_code"] == 0 and msgs[-1]["is_end"] == 1, msgs
+            assert msgs[-1]["req_id"] == rec["req_id"]
 
 
 def test_timeout_aborts_and_duplicate_is_refused(stack, client):
@@ -250,7 +269,7 @@ def test_engine_sends_one_message_per_step_for_all_requests(stack):
     ids = [f"batch-{uuid.uuid4()}" for _ in range(n)]
     for rid, p in zip(ids, random_prompts(n)):
         body = {"req_id": rid, "text": p, "max_dec_len": max_tokens, "min_dec_len": max_tokens}
-        assert link.send({"op": "add", "body": body})
+        assert link.send({"op": "add", "request": record(body)})
     messages, ended = [], set()
     while len(ended) < n and time.monotonic() < deadline + 30:
         if link.sock.poll(1000):

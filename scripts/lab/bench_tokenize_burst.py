@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Admitting a burst of text prompts: one prompt after another (as before) against `native.parse_burst`
+"""Admitting a burst of text prompts: one prompt after another (as before) against `native.tokenize_burst`
 (one `encode_batch` for the burst), with the demo model's tokenizer, on this machine's cores.
 
 Prompts: --n windows of --chars characters of Python stdlib source (argparse.py, typing.py, ...).
@@ -40,7 +40,7 @@ def main() -> None:
         one = [native.prompt_token_ids(native.parse(b), tok) for b in bodies]
         serial.append(time.perf_counter() - t)
         t = time.perf_counter()
-        got = native.parse_burst(bodies, tok)
+        got = native.tokenize_burst([native.parse(b) for b in bodies], tok)
         burst.append(time.perf_counter() - t)
         assert [g[1] for g in got] == one
     tokens = sum(map(len, one))

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Issue 15/17 on one GPU: kernels/gemv.py's GPU tests, then the 8B batch-1 decode with the GEMV on and off
-# (bench_quant.py speed, one process each, kernels profiled; or another setting: SPEED_VAR), then (PART=sweep) scripts/lab/sweep_gemv.py.
+# (bench_quant.py speed, one process each, kernels profiled; or another kernel switch: SPEED_SWITCH), then
+# (PART=sweep) scripts/lab/sweep_gemv.py.
 #   PART=tests,speed (default) | sweep   FORMATS=",weight_only_int8,fp8"   SWEEP_ARGS="--formats bf16"
-#   SPEED_VAR=LLMSERVE_GEMV_FUSE SPEED_VALUES="1 0": the speed runs' setting and its values (default LLMSERVE_GEMV, 1 0)
+#   SPEED_SWITCH=gemv_fuse SPEED_VALUES="1 0": the speed runs' kernel switch (LLMSERVE_KERNEL_SWITCHES) and its
+#   values (default gemv, 1 0)
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 OUT="${OUT:-/tmp/gemv-out}"
@@ -18,10 +20,10 @@ if [[ $PARTS == *tests* ]]; then
   echo "tests rc $?"; tail -4 "$OUT/gpu_tests.log"
 fi
 if [[ $PARTS == *speed* ]]; then
-  var="${SPEED_VAR:-LLMSERVE_GEMV}"
+  var="${SPEED_SWITCH:-gemv}"
   for val in ${SPEED_VALUES:-1 0}; do
     name="$var$val"
-    env "$var=$val" timeout 200 python scripts/bench_quant.py speed --formats "$FORMATS" --skip-kv --profile \
+    LLMSERVE_KERNEL_SWITCHES="$var=$val" timeout 200 python scripts/bench_quant.py speed --formats "$FORMATS" --skip-kv --profile \
       --batches "${BATCHES:-}" --out "$OUT/speed_$name.json" > "$OUT/speed_$name.log" 2>&1
     echo "speed $name rc $?"
     python - "$OUT/speed_$name.json" <<'PY'

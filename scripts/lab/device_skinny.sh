@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 14 on one GPU: kernels/skinny.py's GPU tests (PART=tests), scripts/lab/sweep_skinny.py (PART=sweep: the kernel
 # against cuBLAS and the one-row GEMV on the 8B projections), and the batch-1 oracle (PART=spec: bench_spec.py
-# --oracle --batches 1, the verification step against a plain one) with LLMSERVE_SKINNY at each of SPEC_SKINNY, one
-# process each (default "1 0 1 0": alternated, as two processes of the same code differ by ~2%).
+# --oracle --batches 1, the verification step against a plain one) with the kernel switch skinny
+# (LLMSERVE_KERNEL_SWITCHES=skinny=...) at each of SPEC_SKINNY, one process each (default "1 0 1 0": alternated,
+# as two processes of the same code differ by ~2%).
 #   OUT=$OUT PART=tests,sweep,spec SWEEP_ARGS="--rows 2,5,16" SPEC_SKINNY="1 0 1 0" SPEC_BATCHES=1,16 scripts/lab/device_skinny.sh
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -27,9 +28,9 @@ if [[ $PARTS == *spec* ]]; then
   i=0  # each process its own files: the setting alternates (SPEC_SKINNY="1 0 1 0"), its runs are compared
   for on in ${SPEC_SKINNY:-1 0 1 0}; do
     i=$((i + 1))
-    LLMSERVE_SKINNY=$on timeout "${SPEC_TIMEOUT:-170}" python scripts/bench_spec.py --oracle --batches "${SPEC_BATCHES:-1}" \
+    LLMSERVE_KERNEL_SWITCHES=skinny=$on timeout "${SPEC_TIMEOUT:-170}" python scripts/bench_spec.py --oracle --batches "${SPEC_BATCHES:-1}" \
       --out "$OUT/spec_skinny${on}_$i.json" > "$OUT/spec_skinny${on}_$i.log" 2>&1
-    echo "spec LLMSERVE_SKINNY=$on (run $i) rc $?"
+    echo "spec skinny=$on (run $i) rc $?"
     python - "$OUT/spec_skinny${on}_$i.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))

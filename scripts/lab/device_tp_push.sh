@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 17 on several GPUs: the GEMV's and the fused sum's GPU tests, then scripts/bench_tp.py's batch-1
 # decode, profiled, once per entry of RUNS (each its own process): NAME:MPS, where a NAME holding "nopush"
-# sets LLMSERVE_TP_GEMV_PUSH=0 (bench_tp.py --no-push) and one holding "nofuse" LLMSERVE_GEMV_FUSE=0; MPS the
-# MP_NUM values beside 1 (one process takes symmetric memory for one group only: MP_NUM=4 in its own run);
+# sets the kernel switch tp_gemv_push=0 (bench_tp.py --no-push) and one holding "nofuse" gemv_fuse=0
+# (LLMSERVE_KERNEL_SWITCHES=gemv_fuse=0); MPS the MP_NUM values beside 1 (one process takes symmetric memory
+# for one group only: MP_NUM=4 in its own run);
 # a NAME holding "check" runs the correctness check only (greedy tokens against MP_NUM=1).
 # Results in $OUT.
 set -uo pipefail
@@ -23,7 +24,7 @@ for entry in ${RUNS:-push:2 nopush:2 push2:2}; do
   [[ $run == *check* ]] && skip=decode,allreduce
   [[ $run == *nofuse* ]] && fuse=0
   # shellcheck disable=SC2086
-  LLMSERVE_GEMV_FUSE=$fuse timeout "${RUN_TIMEOUT:-170}" python scripts/bench_tp.py --mp "$mps" --skip "$skip" \
+  LLMSERVE_KERNEL_SWITCHES=gemv_fuse=$fuse timeout "${RUN_TIMEOUT:-170}" python scripts/bench_tp.py --mp "$mps" --skip "$skip" \
     --profile $flag --out "$OUT/tp_$run.json" > "$OUT/tp_$run.log" 2>&1
   echo "$run rc $?"
   grep -E "^(decode|check) MP_NUM" "$OUT/tp_$run.log" | cut -c1-400

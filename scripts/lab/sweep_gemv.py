@@ -97,7 +97,7 @@ def main() -> None:
         return
     from bench_quant_gemm import copy_bandwidth, time_graph  # CUDA-graph timing over weight copies
 
-    from llmserve.kernels import gemv as gemv_mod
+    from llmserve.kernels import switches
     from llmserve.kernels.fp8_gemm import fp8_linear
     from llmserve.kernels.quant_gemm import w8a16_linear
 
@@ -112,7 +112,7 @@ def main() -> None:
             x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
             row: dict = {"floor_int8_us": N * K / (bw * 1e12) * 1e6}
             if not a.no_baselines:
-                gemv_on, gemv_mod.GEMV_MAX_M = gemv_mod.GEMV_MAX_M, 0  # the paths as they ran before the GEMV
+                switches.current.gemv = False  # the paths as they ran before the GEMV
                 q8, s8 = weights("int8", N, K, copies)
                 row["w8a16_us"] = time_graph(lambda i, x=x, q8=q8, s8=s8: w8a16_linear(x, q8[i], s8, None, f32), copies)
                 del q8
@@ -124,7 +124,7 @@ def main() -> None:
                 bf = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) for _ in range(max(4, copies // 2))]
                 row["bf16_cublas_us"] = time_graph(lambda i, x=x, bf=bf: torch.mm(x, bf[i].t(), f32), len(bf))
                 del bf
-                gemv_mod.GEMV_MAX_M = gemv_on
+                switches.current.gemv = True
             for fmt in fmts:
                 _, block = FORMATS[fmt]
                 ws, s = weights(fmt, N, K, copies if fmt != "bf16" else max(4, copies // 2))

@@ -77,7 +77,7 @@ def _serve(args: argparse.Namespace) -> int:
     return 0  # not reached
 
 
-SECRET_SETTINGS = frozenset({"API_KEY"})
+SECRET_SETTINGS = frozenset({"API_KEY", "LLMSERVE_EDGE_TOKEN"})
 
 
 def _config(args: argparse.Namespace) -> int:

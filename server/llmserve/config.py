@@ -84,9 +84,38 @@ def _host(raw: str) -> str:
     return raw
 
 
-def _torch_kernels(raw: str) -> str:
-    if raw not in ("", "ref"):
-        raise ValueError("expected empty or `ref`")
+# LLMSERVE_KERNEL_SWITCHES's keys: kernels/switches.py's `Switches` (what each does, its default)
+KERNEL_SWITCHES = ("gemv", "skinny", "gemv_fuse", "gemv_norm", "pdl", "tp_fused_norm", "tp_gemv_push", "ref")
+
+
+# The settings LLMSERVE_KERNEL_SWITCHES replaced: set, they are refused naming their key (not ignored).
+RETIRED_SWITCHES = {
+    "LLMSERVE_GEMV": "gemv",
+    "LLMSERVE_SKINNY": "skinny",
+    "LLMSERVE_GEMV_FUSE": "gemv_fuse",
+    "LLMSERVE_GEMV_NORM": "gemv_norm",
+    "LLMSERVE_PDL": "pdl",
+    "LLMSERVE_TP_FUSED_NORM": "tp_fused_norm",
+    "LLMSERVE_TP_GEMV_PUSH": "tp_gemv_push",
+    "LLMSERVE_TORCH_KERNELS": "ref",
+}
+
+
+def parse_kernel_switches(raw: str) -> dict[str, bool]:
+    """`gemv=0,pdl=0` as {"gemv": False, "pdl": False}: the switches it names (a later one wins)."""
+    out = {}
+    for item in filter(None, (i.strip() for i in raw.split(","))):
+        key, _, value = (s.strip() for s in item.partition("="))
+        if key not in KERNEL_SWITCHES:
+            raise ValueError(f"unknown switch {key!r} (the switches: {', '.join(KERNEL_SWITCHES)})")
+        if value not in ("0", "1"):
+            raise ValueError(f"{item!r}: expected {key}=0 or {key}=1")
+        out[key] = value == "1"
+    return out
+
+
+def _kernel_switches(raw: str) -> str:
+    parse_kernel_switches(raw)
     return raw
 
 
@@ -306,6 +335,13 @@ class Config:
     output_log_to_console: bool = _setting("OUTPUT_LOG_TO_CONSOLE", False, _bool, doc="logs to console instead of log/")
     log_dir: str = _setting("LOG_DIR", "log", _str, doc="log directory")
     api_key: str = _setting("API_KEY", "", _str, doc="require Authorization: Bearer <key> (empty: open)")
+    edge_token: str = _setting(
+        "LLMSERVE_EDGE_TOKEN",
+        "",
+        _str,
+        doc="shared by the HTTP front end and the Triton adapter: requests the front end validated carry it and are "
+        "not validated again (start_server.sh sets a random one; empty: the adapter validates every request)",
+    )
     seed: int = _setting("LLMSERVE_SEED", 0, int, doc="engine seed for requests without their own")
     # runners and deployment
     paddle_threads: int = _setting(
@@ -313,62 +349,20 @@ class Config:
     )
     paddle_mkldnn: bool = _setting("LLMSERVE_PADDLE_MKLDNN", False, _bool, doc="oneDNN kernels for the Paddle runner")
     cuda_graphs: bool = _setting("LLMSERVE_CUDA_GRAPHS", True, _bool, doc="replay decode steps as CUDA graphs")
-    tp_fused_norm: bool = _setting(
-        "LLMSERVE_TP_FUSED_NORM",
-        True,
-        _bool,
-        doc="MP_NUM>1 on one node: a decode step's sums over the ranks fused with the RMSNorm after each",
-    )
-    tp_gemv_push: bool = _setting(
-        "LLMSERVE_TP_GEMV_PUSH",
-        True,
-        _bool,
-        doc="with the fused sums: a batch-1 row-parallel GEMV writes its row into every rank's buffer itself",
-    )
-    gemv: bool = _setting(
-        "LLMSERVE_GEMV",
-        True,
-        _bool,
-        doc="CUDA: one-row products (batch-1 decode) and 1-4-row int4 products on our GEMVs",
-    )
-    skinny: bool = _setting(
-        "LLMSERVE_SKINNY",
-        True,
-        _bool,
-        doc="CUDA: products of 2-16 rows over unquantized weights (verification steps, small batches) on our kernel",
-    )
-    gemv_fuse: bool = _setting(
-        "LLMSERVE_GEMV_FUSE",
-        True,
-        _bool,
-        doc="the 1-16-row products of gate_up and qkv (GEMV, skinny kernel) do the SwiGLU and the rotary + cache write too",
-    )
-    gemv_norm: bool = _setting(
-        "LLMSERVE_GEMV_NORM",
-        True,
-        _bool,
-        doc="one-rank batch-1 decode: the GEMVs of qkv and gate_up take the RMSNorm before them, and those of o and "
-        "down add their row into the residual (no norm kernels)",
-    )
-    pdl: bool = _setting(
-        "LLMSERVE_PDL",
-        True,
-        _bool,
-        doc="CUDA sm_90+: the 8/16-bit GEMV, skinny, RMSNorm and attention kernels launch while the kernel before them "
-        "ends (programmatic dependent launch)",
-    )
-    torch_kernels: str = _setting(
-        "LLMSERVE_TORCH_KERNELS",
-        "",
-        _torch_kernels,
-        doc="`ref`: the torch reference ops instead of Triton kernels (debug)",
-    )
     triton_stub_pythonpath: str = _setting(
         "LLMSERVE_TRITON_STUB_PYTHONPATH", "", _str, doc="put first on the Triton stub's path (numpy<2 for its stub)"
     )
     tritonserver_bin: str = _setting("TRITONSERVER_BIN", "", _str, doc="a tritonserver binary (default: the wheel's)")
     triton_backend_dir: str = _setting(
         "TRITON_BACKEND_DIR", "", _str, doc="Triton backends directory (default: built from the wheel)"
+    )
+    # lab: kernel experiments (scripts/lab, docs/gpu.md), not a setting for users
+    kernel_switches: str = _setting(
+        "LLMSERVE_KERNEL_SWITCHES",
+        "",
+        _kernel_switches,
+        doc="lab, for kernel experiments (not for serving): `key=0|1,...` turns kernel paths off against their "
+        f"baselines ({', '.join(KERNEL_SWITCHES)}; each on but ref; kernels/switches.py)",
     )
 
     @classmethod
@@ -385,6 +379,9 @@ class Config:
                 values[f.name] = f.metadata["parse"](env[name])
             except ValueError as e:
                 errors.append(f"{name}={env[name]!r}: {e}")
+        for name, key in RETIRED_SWITCHES.items():
+            if name in env:
+                errors.append(f"{name} is retired: set LLMSERVE_KERNEL_SWITCHES={key}=0 (or 1) instead")
         if errors:
             raise ConfigError("invalid settings: " + "; ".join(errors))
         values.update(overrides)
@@ -465,8 +462,10 @@ class Config:
             errors.append("USE_CACHE_KV_INT8=1 and KV_CACHE_DTYPE=fp8: choose one KV cache format")
         if self.paddle_threads < 0:
             errors.append(f"LLMSERVE_PADDLE_THREADS={self.paddle_threads}: must be >= 0 (0: automatic)")
-        if self.torch_kernels not in ("", "ref"):
-            errors.append(f"LLMSERVE_TORCH_KERNELS={self.torch_kernels!r}: expected empty or `ref`")
+        try:
+            parse_kernel_switches(self.kernel_switches)
+        except ValueError as e:
+            errors.append(f"LLMSERVE_KERNEL_SWITCHES={self.kernel_switches!r}: {e}")
         for name, v in (("LLMSERVE_START_TIMEOUT", self.start_timeout), ("LLMSERVE_STOP_TIMEOUT", self.stop_timeout)):
             if not v > 0:
                 errors.append(f"{name}={v}: must be a positive number of seconds")
@@ -480,10 +479,13 @@ class Config:
         """The KV cache's quantized format: "" (the model's dtype), "int8" or "fp8"."""
         return "int8" if self.use_cache_kv_int8 else ("" if self.kv_cache_dtype == "auto" else self.kv_cache_dtype)
 
-    def to_env(self) -> dict[str, str]:
-        """Every setting as its environment variable: how a child process gets this exact config."""
+    def to_env(self, *names: str) -> dict[str, str]:
+        """Every setting (or the fields `names`) as its environment variable: how a child process gets this
+        exact config."""
         env = {}
         for f in dataclasses.fields(self):
+            if names and f.name not in names:
+                continue
             v = getattr(self, f.name)
             env[f.metadata["env"]] = "" if v is None else str(int(v)) if isinstance(v, bool) else str(v)
         return env

@@ -31,6 +31,7 @@ from llmserve.engine.runner_contract import ModelRunner, StepBatch, StepResult
 from llmserve.executor.group import join
 from llmserve.executor.step_message import StepEncoder
 from llmserve.executor.workers import Workers
+from llmserve.kernels import switches
 from llmserve.layers.model_config import ModelConfig
 from llmserve.layers.parallel import check_shardable
 from llmserve.runners.model_dir import runner_kind
@@ -227,7 +228,7 @@ def start_executor(model_dir: str, config: Config) -> TPExecutor:
 
     stop = threading.Event()  # set: the monitor stands down (shutdown, or a start that failed)
     try:
-        tp, store = join(lay, 0, config.dist_timeout, cuda, check, config.tp_fused_norm, config.tp_gemv_push)
+        tp, store = join(lay, 0, config.dist_timeout, cuda, switches.parse(config.kernel_switches), check)
         ch = _Channels(lay, store, zmq.Context.instance())
         ch.wait_hellos(lay, config.dist_timeout, check)
         # Heartbeat ids: each worker says hello on it with its rank first.

@@ -14,6 +14,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from llmserve.kernels.switches import Switches
 from llmserve.layers.parallel import TensorParallel, with_one_shot
 from llmserve.runners.rank_layout import Layout, RendezvousError
 
@@ -21,11 +22,11 @@ log = logging.getLogger(__name__)
 
 
 def join(
-    lay: Layout, rank: int, timeout: float, cuda: bool, check=None, fused_norm: bool = True, push: bool = True
+    lay: Layout, rank: int, timeout: float, cuda: bool, kernels: Switches, check=None
 ) -> tuple[TensorParallel, dist.TCPStore]:
     """Meet the other ranks and join the process group (NCCL when `cuda`, else gloo). `check()`, called
-    while rank 0 waits, raises when a rank it started died meanwhile. `fused_norm`: LLMSERVE_TP_FUSED_NORM;
-    `push`: LLMSERVE_TP_GEMV_PUSH."""
+    while rank 0 waits, raises when a rank it started died meanwhile. `kernels`: the
+    config's kernel switches (kernels/switches.py: tp_fused_norm, tp_gemv_push)."""
     where = f"{lay.master}:{lay.port}"
     try:
         store = dist.TCPStore(
@@ -57,7 +58,7 @@ def join(
     dist.init_process_group(backend, store=store, rank=rank, world_size=lay.world, timeout=timedelta(seconds=timeout))
     tp = TensorParallel(rank, lay.world, dist.group.WORLD)
     if cuda and lay.nodes == 1:  # NVLink peers: small sums (decode steps) in one kernel
-        tp = with_one_shot(tp, fused_norm, push)
+        tp = with_one_shot(tp, kernels.tp_fused_norm, kernels.tp_gemv_push)
         how = "one-shot" if tp.one_shot else "NCCL"
         fused = ", fused with the norm after them" if tp.fused_norm else ""
         log.info("rank %d: sums up to %d KB %s%s", rank, tp.one_shot_bytes >> 10, how, fused)

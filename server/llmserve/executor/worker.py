@@ -25,6 +25,7 @@ from llmserve.engine.heap import freeze_startup_objects
 from llmserve.executor.executor import HEARTBEAT_S, RankModel, threads_per_rank
 from llmserve.executor.group import join
 from llmserve.executor.step_message import StepDecoder
+from llmserve.kernels import switches
 from llmserve.runners.model_dir import resolve_model_dir
 from llmserve.runners.rank_layout import layout
 from llmserve.utils.process import die_with_parent, exit_now
@@ -62,7 +63,7 @@ def main() -> None:
         torch.cuda.set_device(rank % lay.per_node)
     else:
         torch.set_num_threads(threads_per_rank(lay))
-    tp, store = join(lay, rank, config.dist_timeout, cuda, fused_norm=config.tp_fused_norm, push=config.tp_gemv_push)
+    tp, store = join(lay, rank, config.dist_timeout, cuda, switches.parse(config.kernel_switches))
     ctx = zmq.Context.instance()
     steps = ctx.socket(zmq.DEALER)
     steps.setsockopt(zmq.LINGER, 0)

@@ -119,8 +119,8 @@ def _is_json(content_type: str) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def _json_body(request: Request) -> tuple[dict, bytes]:
-    """The body as a JSON object, and its bytes."""
+async def _json_body(request: Request) -> dict:
+    """The body as a JSON object."""
     # Only JSON media types: a browser sends text/plain or a form cross-site without asking first.
     ctype = request.headers.get("content-type", "")
     if not _is_json(ctype):
@@ -137,14 +137,14 @@ async def _json_body(request: Request) -> tuple[dict, bytes]:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     if not _SURROGATE_ESCAPE.search(raw):  # only a \u escape makes a lone surrogate: skip the check
-        return body, raw
+        return body
     try:  # what goes on to Triton must encode: no lone surrogates ("\ud800")
         json.dumps(body, ensure_ascii=False).encode()
     except UnicodeEncodeError as e:
         raise ApiError(400, f"the request body holds invalid Unicode (a lone surrogate escape): {e.reason}") from None
     except (RecursionError, ValueError) as e:
         raise ApiError(400, f"the request body cannot be forwarded: {e}") from None
-    return body, raw
+    return body
 
 
 def _schema_ref(name: str) -> dict:
@@ -183,7 +183,7 @@ def create_app(
 ) -> FastAPI:
     """The app; uvicorn calls it with no arguments in each worker (factory=True)."""
     cfg = config or Config.from_env()
-    make_backend = backend_factory or (lambda c: TritonBackend(f"{c.local_host}:{c.service_grpc_port}"))
+    make_backend = backend_factory or (lambda c: TritonBackend(f"{c.local_host}:{c.service_grpc_port}", c.edge_token))
     names = served_model_names(cfg.model_dir, cfg.served_model_name)
     model_id = names[0]
 
@@ -257,14 +257,14 @@ def create_app(
     @app.post(SHARED_PATH + "/completions", include_in_schema=False)
     async def completions(request: Request) -> Response:
         async def run():
-            return await handle_completions(request, (await _json_body(request))[0], backend(request), cfg)
+            return await handle_completions(request, await _json_body(request), backend(request), cfg)
 
         return await guarded("openai", request, run)
 
     @app.post(SHARED_PATH + "/chat/completions", include_in_schema=False)
     async def chat_alt(request: Request) -> Response:
         async def run():
-            return await handle_chat(request, (await _json_body(request))[0], backend(request), cfg)
+            return await handle_chat(request, await _json_body(request), backend(request), cfg)
 
         return await guarded("openai", request, run)
 
@@ -275,7 +275,7 @@ def create_app(
     @app.post(SHARED_PATH + "/responses", include_in_schema=False)
     async def responses(request: Request) -> Response:
         async def run():
-            body = (await _json_body(request))[0]
+            body = await _json_body(request)
             return await handle_responses(request, body, backend(request), cfg, request.app.state.responses)
 
         return await guarded("openai", request, run)
@@ -320,11 +320,11 @@ def create_app(
     )
     async def chat(request: Request) -> Response:
         try:
-            body, raw = await _json_body(request)
+            body = await _json_body(request)
         except ApiError as e:
             return error_response("both", e.status, e.message, e.param)
         if is_native_body(body):
-            return await guarded("native", request, lambda: handle_native(request, body, backend(request), raw))
+            return await guarded("native", request, lambda: handle_native(request, body, backend(request)))
         return await guarded("openai", request, lambda: handle_chat(request, body, backend(request), cfg))
 
     @app.exception_handler(StarletteHTTPException)

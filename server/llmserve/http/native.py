@@ -1,7 +1,7 @@
 """The native protocol over HTTP: POST /v1/chat/completions with `text` | `messages` | `input_ids`.
 
-The body is validated here (so bad input never reaches Triton), then sent on
-as is, with its `req_id` filled in. Streaming answers one JSON object per line
+The body is validated here, once (so bad input never reaches Triton), and
+its record (native.record) goes on. Streaming answers one JSON object per line
 (NDJSON) exactly as the engine sends them; non-streaming answers one object.
 Errors before the first token (validation, admission: 409, 413, 429, ...)
 get their own HTTP status; an error mid-stream is the stream's last line.
@@ -25,10 +25,11 @@ from llmserve.protocol import native
 NDJSON = "application/x-ndjson"
 
 
-def parse_native(body: dict) -> native.NativeRequest:
-    """The engine's own parse (one rule per field): a bad body is answered here, without a trip to Triton."""
+def parse_native(body: dict) -> tuple[native.NativeRequest, dict]:
+    """The request and its record, checked by the shared rules (once): a bad body is answered here."""
     try:
-        return native.parse(body)
+        req = native.parse(body)
+        return req, native.record(req)
     except native.NativeError as e:
         raise ApiError(e.code, e.msg, e.param) from None
 
@@ -37,24 +38,9 @@ def _line(item: dict) -> bytes:
     return (json.dumps(item, ensure_ascii=False) + "\n").encode()
 
 
-def forwarded_bytes(raw: bytes | None, body: dict, req_id: str) -> bytes | None:
-    """The client's own bytes of `body`, with `req_id` put first where it sent none: what goes on to Triton,
-    without encoding the body a second time here (a burst's requests are taken in one after another).
-    None where those bytes might not be UTF-8 (they do not start with the object's brace) or would not say
-    the same as `body` with that req_id."""
-    if raw is None or not raw.startswith(b"{"):
-        return None
-    if "req_id" in body:
-        return raw if body["req_id"] == req_id else None
-    rest = raw[1:]
-    return b'{"req_id":' + json.dumps(req_id).encode() + (b"," if rest.strip() != b"}" else b"") + rest
-
-
-async def handle_native(request: Request, body: dict, backend: Backend, raw: bytes | None = None) -> Response:
-    req = parse_native(body)
-    raw = forwarded_bytes(raw, body, req.req_id)
-    body = {**body, "req_id": req.req_id}
-    gen = backend.stream(body, raw)
+async def handle_native(request: Request, body: dict, backend: Backend) -> Response:
+    req, rec = parse_native(body)
+    gen = backend.stream(rec)
     try:
         first = await anext(gen)
     except BaseException:

@@ -66,18 +66,12 @@ class Choice:
 class _Call:
     """One OpenAI request in flight: its native bodies, choices and response framing."""
 
-    def __init__(self, req: CompletionRequest | ChatCompletionRequest, config: Config) -> None:
+    def __init__(self, parsed: tuple[CompletionRequest | ChatCompletionRequest, list[dict]], config: Config) -> None:
+        req, self.bodies = parsed  # the request and its native requests' records (`_parse`)
         self.req = req
         self.config = config
         self.chat = isinstance(req, ChatCompletionRequest)
-        self.bodies = req.to_native()
         tools = self.chat and req.calls_tools
-        if self.chat and req.forces_tool_call:  # required / a named function: a grammar makes the call
-            # A named function: one call of it (as vLLM); required: one, or more unless parallel_tool_calls is false.
-            parallel = req.tool_choice == "required" and req.parallel_tool_calls is not False
-            g = tool_calls.grammar(config.tool_call_parser, req.offered_tools(), parallel)
-            for body in self.bodies:
-                body["guided_grammar"] = g
         reasoning = config.reasoning_parser if self.chat else ""
         self.choices = [
             Choice(
@@ -307,30 +301,37 @@ def _sse(obj: dict | str) -> bytes:
 
 
 async def handle_completions(request: Request, body: dict, backend: Backend, config: Config) -> Response:
-    return await _handle(request, _parse(parse_completion, body), backend, config)
+    return await _handle(request, _parse(parse_completion, body, config), backend, config)
 
 
 async def handle_chat(request: Request, body: dict, backend: Backend, config: Config) -> Response:
-    return await _handle(request, _parse(parse_chat, body), backend, config)
+    return await _handle(request, _parse(parse_chat, body, config), backend, config)
 
 
-def _parse(parse, body: dict):
+def _parse(parse, body: dict, config: Config) -> tuple[CompletionRequest | ChatCompletionRequest, list[dict]]:
+    """The request and the records of its native requests: each checked once, by the shared rules
+    (protocol/native.py), an error named as the client sent the field."""
     try:
         req = parse(body)
     except OpenAIValidationError as e:
         raise ApiError(400, e.message, e.param) from None
-    for native_body in req.to_native():  # the shared rules (protocol/native.py), named as the client sent them
-        try:
-            native.parse(native_body)
-        except native.NativeError as e:
-            param = openai_param(req, e.param)
-            msg = e.msg.replace(e.param, param, 1) if e.param and param else e.msg
-            raise ApiError(e.code, msg, param) from None
-    return req
+    bodies = req.to_native()
+    if isinstance(req, ChatCompletionRequest) and req.forces_tool_call:  # required / a named function: a grammar
+        # A named function: one call of it (as vLLM); required: one, or more unless parallel_tool_calls is false.
+        parallel = req.tool_choice == "required" and req.parallel_tool_calls is not False
+        g = tool_calls.grammar(config.tool_call_parser, req.offered_tools(), parallel)
+        bodies = [b | {"guided_grammar": g} for b in bodies]
+    try:
+        return req, [native.record(native.parse(b)) for b in bodies]
+    except native.NativeError as e:
+        param = openai_param(req, e.param)
+        msg = e.msg.replace(e.param, param, 1) if e.param and param else e.msg
+        raise ApiError(e.code, msg, param) from None
 
 
-async def _handle(request: Request, req, backend: Backend, config: Config) -> Response:
-    call = _Call(req, config)
+async def _handle(request: Request, parsed: tuple, backend: Backend, config: Config) -> Response:
+    call = _Call(parsed, config)
+    req = call.req
     first, merged = await first_of(backend, call.bodies)
     if first[1].get("error_code"):
         status, body = call.error(first[1])

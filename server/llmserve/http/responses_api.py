@@ -159,10 +159,10 @@ def _prepare(body: dict, store: ResponseStore, config: Config) -> tuple[Response
         history = kept.messages
     chat_body = req.chat_body(history)
     try:
-        chat = _parse(parse_chat, chat_body)
+        parsed = _parse(parse_chat, chat_body, config)
     except ApiError as e:
         raise ApiError(e.status, *_renamed(e.message, e.param)) from None
-    return req, chat_body, _Call(chat, config)
+    return req, chat_body, _Call(parsed, config)
 
 
 def _error_json(call: _Call, item: dict) -> JSONResponse:

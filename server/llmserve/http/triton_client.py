@@ -1,7 +1,9 @@
 """The front end's only way to the engine: one long-lived Triton gRPC stream per worker.
 
-`TritonBackend.stream(body)` sends the native JSON body as `IN` and yields each
-`OUT` JSON object until the one with `is_end` (or an error). All of a worker's
+`TritonBackend.stream(record)` sends a validated native request's record
+(native.record) as msgpack in `IN`, with EDGE_TOKEN in RECORD_PARAM so that the
+adapter takes it as checked, and yields each `OUT` JSON object until the one with
+`is_end` (or an error). All of a worker's
 requests share one bidirectional `ModelStreamInfer` call (`_Mux`): a request is
 one message written on it, under a Triton request id of its own, and a reader
 task routes the responses to their requests by that id. A call per request cost
@@ -38,12 +40,13 @@ from typing import Protocol
 import grpc
 from tritonclient.grpc import service_pb2, service_pb2_grpc
 
-from llmserve.protocol import ABORT_PARAM
+from llmserve.protocol import ABORT_PARAM, RECORD_PARAM
 from llmserve.protocol.native import error_response
 from llmserve.serving import http_failures as failures
 from llmserve.serving import intake_trace
 from llmserve.serving.grpc_channel import channel_args
 from llmserve.serving.tritonserver import MODEL_NAME
+from llmserve.utils.wire import dumps
 
 log = logging.getLogger("llmserve.http")
 
@@ -55,8 +58,8 @@ _TIMED_OUT: dict = {}  # the guard's mark in a request's queue
 
 
 class Backend(Protocol):
-    def stream(self, body: dict, raw: bytes | None = None) -> AsyncIterator[dict]:
-        """`body`'s responses; `raw`, where given, is `body` as JSON bytes (native.forwarded_bytes)."""
+    def stream(self, record: dict) -> AsyncIterator[dict]:
+        """The responses of a request validated here: its `native.record`."""
         ...
 
     async def ready(self) -> bool: ...
@@ -64,12 +67,15 @@ class Backend(Protocol):
     async def close(self) -> None: ...
 
 
-def _request(model: str, tid: str, raw: bytes, abort: bool = False) -> service_pb2.ModelInferRequest:
+def _request(model: str, tid: str, raw: bytes, token: str | None = None) -> service_pb2.ModelInferRequest:
+    """IN = `raw`: a record (msgpack) under `token`, else (None) an abort's JSON."""
     req = service_pb2.ModelInferRequest(model_name=model, id=tid)
     req.inputs.add(name="IN", datatype="BYTES", shape=[1])
     req.raw_input_contents.append(_LEN.pack(len(raw)) + raw)
-    if abort:
+    if token is None:
         req.parameters[ABORT_PARAM].bool_param = True
+    else:
+        req.parameters[RECORD_PARAM].string_param = token
     return req
 
 
@@ -84,8 +90,9 @@ def _transport_error(e: BaseException) -> tuple[int, str]:
 class _Mux:
     """One ModelStreamInfer call and its reader and writer tasks; requests routed by Triton request id."""
 
-    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub, model: str) -> None:
+    def __init__(self, stub: service_pb2_grpc.GRPCInferenceServiceStub, model: str, token: str) -> None:
         self.model = model
+        self.token = token
         self.call = stub.ModelStreamInfer()
         self.routes: dict[str, asyncio.Queue] = {}  # tid -> its request's items
         self.abandoned: dict[str, str | None] = {}  # tid -> req_id to abort again (None: sent twice) until its final
@@ -99,7 +106,7 @@ class _Mux:
         tid = self.prefix + str(next(self.ids))
         q: asyncio.Queue = asyncio.Queue()
         self.routes[tid] = q
-        self.outbox.put_nowait((req_id, _request(self.model, tid, raw)))
+        self.outbox.put_nowait((req_id, _request(self.model, tid, raw, self.token)))
         return tid, q
 
     def leave(self, tid: str, req_id: str) -> None:
@@ -111,7 +118,7 @@ class _Mux:
     def _abort(self, req_id: str) -> None:
         tid = self.prefix + "abort-" + str(next(self.ids))
         raw = json.dumps({"req_id": req_id}, ensure_ascii=False).encode()
-        self.outbox.put_nowait((None, _request(self.model, tid, raw, abort=True)))
+        self.outbox.put_nowait((None, _request(self.model, tid, raw)))
 
     async def _write(self) -> None:
         try:
@@ -187,9 +194,10 @@ class _Mux:
 class TritonBackend:
     """Triton gRPC (grpc.aio), created inside the worker's event loop."""
 
-    def __init__(self, url: str, model: str = MODEL_NAME) -> None:
+    def __init__(self, url: str, token: str = "", model: str = MODEL_NAME) -> None:
         self.url = url
         self.model = model
+        self.token = token  # EDGE_TOKEN: the adapter takes our records as checked
         self.channel = grpc.aio.insecure_channel(url, options=channel_args())
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
         self._mux: _Mux | None = None
@@ -207,21 +215,17 @@ class TritonBackend:
 
     def _stream_mux(self) -> _Mux:
         if self._mux is None or self._mux.dead:
-            self._mux = _Mux(self.stub, self.model)
+            self._mux = _Mux(self.stub, self.model, self.token)
         return self._mux
 
-    async def stream(self, body: dict, raw: bytes | None = None) -> AsyncIterator[dict]:
-        req_id = body.get("req_id")
-        if not req_id:  # an abort must name it
-            req_id = uuid.uuid4().hex
-            body, raw = {**body, "req_id": req_id}, None
-        if raw is None:
-            raw = json.dumps(body, ensure_ascii=False).encode()
+    async def stream(self, record: dict) -> AsyncIterator[dict]:
+        req_id = record["req_id"]
+        raw = dumps(record)
         mux = self._stream_mux()
         intake_trace.mark("http", req_id)
         tid, q = mux.open(raw, req_id)
         # Capped: a huge `timeout` (1e308, Infinity) must not overflow the loop's clock.
-        timeout = min(float(body.get("timeout") or 300.0), MAX_STREAM_S) + STREAM_SLACK_S
+        timeout = min(float(record["timeout"]), MAX_STREAM_S) + STREAM_SLACK_S
         guard = asyncio.get_running_loop().call_later(timeout, q.put_nowait, _TIMED_OUT)
         first = True
         try:

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from llmserve.config import Config
+from llmserve.kernels import switches
 
 try:  # the CPU wheel of torch ships without triton
     import triton  # noqa: F401
@@ -21,14 +21,9 @@ try:  # the CPU wheel of torch ships without triton
 except ImportError:  # pragma: no cover - depends on the machine
     HAS_TRITON = False
 
-# Read once, at import (use_triton runs on every op). Config.read parses this one setting: a bad value
-# of another setting must not break an import (it is reported when the service starts); a bad value of
-# this one is a ConfigError naming LLMSERVE_TORCH_KERNELS.
-_FORCE_REF = Config.read("torch_kernels") == "ref"
-
 
 def use_triton(t: torch.Tensor) -> bool:
-    if not HAS_TRITON or _FORCE_REF:
+    if not HAS_TRITON or switches.current.ref:
         return False
     return t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -41,8 +41,7 @@ import os
 
 import torch
 
-from llmserve import kernels as _pkg
-from llmserve.kernels import HAS_TRITON
+from llmserve.kernels import HAS_TRITON, switches
 from llmserve.kernels.fp8_quant import FP8_MAX, _cdiv, dequantize_act_ref, quantize_act, quantize_act_ref
 from llmserve.kernels.gemv import gemv, gemv_ok
 
@@ -236,7 +235,7 @@ def _capability(device: torch.device) -> tuple[int, int]:
 def fp8_path(device: torch.device | str) -> str:
     """The path fp8_linear runs on `device`: "w8a8", "weight_only" or "ref" (module doc)."""
     device = torch.device(device)
-    if not HAS_TRITON or _pkg._FORCE_REF:
+    if not HAS_TRITON or switches.current.ref:
         return "ref"
     if device.type == "cuda":
         return "w8a8" if _capability(device) >= (8, 9) else "weight_only"

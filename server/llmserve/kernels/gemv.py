@@ -41,8 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
-from llmserve.config import Config
-from llmserve.kernels import next_pow2, use_triton
+from llmserve.kernels import next_pow2, switches, use_triton
 from llmserve.kernels.gemv4 import GEMV4_MAX_M, SCATTER, gemv4_launch
 from llmserve.kernels.pdl import launch_args, pdl_on
 from llmserve.kernels.rotary import QUANT_MAX, saturation
@@ -57,12 +56,8 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-# Products of at most this many rows run here (w8a16_linear, fp8_linear, unquantized layers and the LM head on
-# CUDA); 0 turns the GEMV off (LLMSERVE_GEMV=0; read at import, like LLMSERVE_TORCH_KERNELS)
-GEMV_MAX_M = 1 if Config.read("gemv") else 0
-# The GEMVs of gate_up and qkv also do the SwiGLU and the rotary + cache write after them (LLMSERVE_GEMV_FUSE;
-# model.gate_up_swiglu, model.qkv_rope)
-GEMV_FUSE = Config.read("gemv_fuse")
+# Products of at most this many rows run here (w8a16_linear, fp8_linear, unquantized layers, the LM head; CUDA)
+GEMV_MAX_M = 1  # (none with the `gemv` switch off: kernels/switches.py)
 
 if triton is not None:
 
@@ -212,9 +207,9 @@ def gemv_launch(N: int, itemsize: int = 1) -> tuple[int, int, int, int]:
 
 
 def gemv_ok(x: torch.Tensor, weight: torch.Tensor, block: int = 0) -> bool:
-    """Whether `gemv` runs this product: at most GEMV_MAX_M rows (one; 4-bit weights, int32 words: GEMV4_MAX_M),
-    Triton, a K-contiguous weight, and (block scales) a block that the rows of a program divide."""
-    most = GEMV4_MAX_M if weight.dtype == torch.int32 and GEMV_MAX_M else GEMV_MAX_M
+    """Whether `gemv` runs this product: the `gemv` switch on, at most GEMV_MAX_M rows (one; 4-bit weights, int32
+    words: GEMV4_MAX_M), Triton, a K-contiguous weight, and (block scales) a block that the rows of a program divide."""
+    most = (GEMV4_MAX_M if weight.dtype == torch.int32 else GEMV_MAX_M) if switches.current.gemv else 0
     if x.dim() != 2 or not 1 <= x.shape[0] <= most or not use_triton(x) or weight.stride(1) != 1:
         return False  # (no rows: the logits of a step that samples none)
     return block == 0 or block % gemv_launch(weight.shape[0], weight.element_size())[0] == 0

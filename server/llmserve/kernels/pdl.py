@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from llmserve.config import Config
+from llmserve.kernels import switches
 
 try:
     import triton
@@ -45,8 +45,6 @@ try:  # a Triton that launches with PDL (`launch_pdl`) has these
 except ImportError:  # pragma: no cover - depends on the Triton
     HAS_PDL = False
 
-PDL_ON: bool = Config.read("pdl")  # read at import, as every kernel setting (the runner turns it off: above)
-
 
 @functools.cache
 def _hopper(index: int) -> bool:
@@ -54,8 +52,8 @@ def _hopper(index: int) -> bool:
 
 
 def pdl_on(t: torch.Tensor) -> bool:
-    """Whether a launch on `t`'s device uses PDL: LLMSERVE_PDL on CUDA sm_90+ (not on the CPU or the interpreter)."""
-    return PDL_ON and HAS_PDL and t.is_cuda and _hopper(t.device.index or 0)
+    """Whether a launch on `t`'s device uses PDL: the `pdl` switch on CUDA sm_90+ (not on the CPU or the interpreter)."""
+    return switches.current.pdl and HAS_PDL and t.is_cuda and _hopper(t.device.index or 0)
 
 
 def launch_args(on: bool) -> dict:

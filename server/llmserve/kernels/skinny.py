@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from llmserve.config import Config
-from llmserve.kernels import use_triton
+from llmserve.kernels import switches, use_triton
 from llmserve.kernels.gemv import RopeCache, rope_operands
 from llmserve.kernels.pdl import launch_args, pdl_on
 
@@ -40,8 +39,7 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-# Products of 2..SKINNY_MAX_M rows of unquantized weights run here on CUDA (LLMSERVE_SKINNY; read at import)
-SKINNY_MAX_M = 16 if Config.read("skinny") else 0
+SKINNY_MAX_M = 16  # products of 2..SKINNY_MAX_M rows of unquantized weights run here on CUDA (the `skinny` switch)
 
 if triton is not None:
 
@@ -135,10 +133,11 @@ def skinny_launch(N: int, K: int) -> tuple[int, int, int, int]:
 
 
 def skinny_ok(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether `skinny` runs this product: 2..SKINNY_MAX_M rows on CUDA with Triton, a bf16/fp16 weight in
+    """Whether `skinny` runs this product (the `skinny` switch on): 2..SKINNY_MAX_M rows on CUDA with Triton, a bf16/fp16 weight in
     x's dtype with K contiguous."""
     return (
         x.dim() == 2
+        and switches.current.skinny
         and 2 <= x.shape[0] <= SKINNY_MAX_M
         and x.dtype == weight.dtype
         and weight.dtype in (torch.bfloat16, torch.float16)

@@ -106,7 +106,7 @@ class FusedSumNorm:
         import torch.distributed._symmetric_memory as symm_mem
 
         self.rank, self.world, self.max_bytes, self.max_rows = rank, world, max_bytes, max_rows
-        self.take_pushes = push  # LLMSERVE_TP_GEMV_PUSH
+        self.take_pushes = push  # the `tp_gemv_push` switch (kernels/switches.py)
         # Two halves of one slot per sending rank, each value an 8-byte word (below).
         size = 2 * world * (max_bytes // 4) * 8
         self.buf = symm_mem.empty(size, dtype=torch.uint8, device="cuda")

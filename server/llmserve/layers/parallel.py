@@ -161,7 +161,7 @@ def with_fused_norm(tp: TensorParallel, push: bool = True) -> TensorParallel:
     """`tp` with the fused sum + RMSNorm for decode-sized steps, where its symmetric memory works. Checked
     once on fresh data against the separate sum and norm: bit-identical on every rank, and close to them
     (rows of 1, 3 and the most it takes, twice each: both halves of its buffer). `push`
-    (LLMSERVE_TP_GEMV_PUSH): batch-1 row-parallel GEMVs write their rows into its buffers themselves
+    (the `tp_gemv_push` switch): batch-1 row-parallel GEMVs write their rows into its buffers themselves
     (TensorParallel.row_parallel)."""
     from llmserve.kernels.sum_norm import FusedSumNorm
 

@@ -8,7 +8,7 @@ gate_up projection, SwiGLU, down projection. The projections are `Linear` layers
 whose quantization method (quant/methods.py: dense, weight-only int8/int4, GPTQ, AWQ,
 FP8) the checkpoint or QUANT_TYPE chose; dense ones go to cuBLAS, quantized ones to
 our GEMMs; the rest are our kernels (kernels/). Embedding and LM head stay dense. At batch 1 on
-one GPU the norms ride in the products' GEMVs instead (`Normed`, LLMSERVE_GEMV_NORM).
+one GPU the norms ride in the products' GEMVs instead (`Normed`; the `gemv_norm` switch, kernels/switches.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from llmserve.config import Config
+from llmserve.kernels import switches
 from llmserve.kernels.activation import swiglu
 from llmserve.kernels.attention import AttnMeta, paged_attention
-from llmserve.kernels.gemv import GEMV_FUSE, NormedRow, RopeCache, gemv
+from llmserve.kernels.gemv import NormedRow, RopeCache, gemv
 from llmserve.kernels.norm import rms_norm
 from llmserve.kernels.rotary import rope_and_cache, rope_cos_sin
 from llmserve.kernels.skinny import skinny
@@ -32,9 +32,6 @@ from llmserve.layers.model_config import ModelConfig
 from llmserve.layers.parallel import SINGLE, Shard, TensorParallel, embed
 from llmserve.layers.quant.methods import LinearMethod, load_linear
 from llmserve.layers.weights import WeightReader
-
-# One-rank batch-1 decode: the norms ride in the GEMVs (`Normed`; LLMSERVE_GEMV_NORM, read at import)
-GEMV_NORM = Config.read("gemv_norm")
 
 
 def one_gemv(linear: Linear, x: torch.Tensor, out_dtype: torch.dtype) -> tuple | None:
@@ -192,7 +189,7 @@ class DecoderModel:
     def norms_in_gemvs(self, h: torch.Tensor) -> bool:
         """Whether this step's norms ride in its products (`Normed`): one row (batch-1 decode), one rank, on CUDA
         with the fp32 residual, and layers whose four products are GEMVs (else the norms stay kernels)."""
-        if not (GEMV_NORM and self.wide and self.tp.size == 1 and h.shape[0] == 1 and self.layers):
+        if not (switches.current.gemv_norm and self.wide and self.tp.size == 1 and h.shape[0] == 1 and self.layers):
             return False
         if self._gemv_layers is None:  # the same answer for every one-row step: asked once
             dt = self.out_dtype
@@ -265,7 +262,7 @@ class DecoderModel:
         kernels/rotary.py."""
         k, v, k_scale, v_scale = kv
         rc = None
-        if self.wide and GEMV_FUSE and k_scale is None:
+        if self.wide and switches.current.gemv_fuse and k_scale is None:
             rc = RopeCache(positions, slot_mapping, self.cos_sin, k, v, self.num_heads, self.num_kv_heads)
         if (args := self.gemv_args(qkv, x)) is not None:
             out = gemv(**args, out_dtype=self.out_dtype, rope=rc)
@@ -284,7 +281,7 @@ class DecoderModel:
         2-16 rows of unquantized weights (kernels/gemv.py, skinny.py, `glu`: the same bits, one kernel fewer a
         layer; not with FP8's 128-row blocks, where a program's gate and up rows span two), else the product, then
         SwiGLU."""
-        fuse = self.wide and GEMV_FUSE
+        fuse = self.wide and switches.current.gemv_fuse
         if (args := self.gemv_args(gate_up, x)) is not None:
             if fuse:
                 return gemv(**args, out_dtype=self.dtype, glu=True)

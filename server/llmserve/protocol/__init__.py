@@ -3,6 +3,9 @@
 # A Triton request parameter: the request aborts the request in flight whose req_id its IN names (the
 # HTTP front end's requests share one gRPC stream, which cannot cancel one of them; triton/model.py).
 ABORT_PARAM = "llmserve_abort"
+# A Triton request parameter: IN holds a request the HTTP front end validated, as a msgpack record
+# (native.record); its value is EDGE_TOKEN's, without which the adapter validates the record itself.
+RECORD_PARAM = "llmserve_record"
 CANCELLED = 499  # the error code that ends a request its client aborted
 
 

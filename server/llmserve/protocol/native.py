@@ -2,12 +2,15 @@
 
 A request is one JSON object (ARCHITECTURE.md, "Native protocol"; every field,
 its rule and its default: docs/api.md). It is parsed and checked once, where it
-enters the engine (the engine server's admission): `parse` checks its shape,
-`admit` checks it against the serving limits and the model once the prompt is
-tokenized, and builds the engine's SamplingParams. The OpenAI layer builds native
-requests and leaves these rules to this module. Every rejection is a
-`NativeError` whose code is also the HTTP status the front end answers with and
-whose `param` names the field at fault.
+enters: `parse` checks its shape in the HTTP front end (or, for a direct gRPC
+client, the Triton adapter), and `record` is what travels on from there (a
+msgpack map of every field), which the engine server takes as checked
+(`from_record`, no validation again). There `admit` checks it against the
+serving limits and the model once the prompt is tokenized, and builds the
+engine's SamplingParams. The OpenAI layer builds native requests and leaves
+these rules to this module. Every rejection is a `NativeError` whose code is
+also the HTTP status the front end answers with and whose `param` names the
+field at fault.
 
 Beyond the seeds: `temperature: 0` (or `topp: 0`) means greedy decoding.
 """
@@ -97,7 +100,7 @@ class NativeRequest(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     prediction: str | None = Field(default=None, description="predicted output: its tokens are speculative proposals")
-    _prediction_ids: list[int] | None = PrivateAttr(default=None)  # parse_burst: tokenized beside the prompt
+    _prediction_ids: list[int] | None = PrivateAttr(default=None)  # tokenize_burst: beside the prompt
 
     @field_validator("stop_sequences", mode="before")
     @classmethod
@@ -163,17 +166,37 @@ def parse(body: bytes | str | dict) -> NativeRequest:
     return req
 
 
-def parse_burst(bodies: list, tokenizer) -> list[tuple[NativeRequest, list[int] | Exception] | Exception]:
-    """Each body parsed, with its prompt's ids or the error making them; a body that does not parse: its
-    error. The texts are encoded in one call (`Tokenizer.encode_batch`, on all cores), so that a burst of
+def record(req: NativeRequest) -> dict:
+    """The checked request as it travels on (every field by its own name): a msgpack map, never JSON. A
+    value msgpack cannot carry (an integer past 64 bits, a lone surrogate) is a 400 naming its field."""
+    rec = req.model_dump()
+    try:
+        dumps(rec)
+    except Exception:  # noqa: BLE001 - msgpack's OverflowError, UnicodeEncodeError, ...: name the field
+        for key, value in rec.items():
+            try:
+                dumps({key: value})
+            except Exception as err:  # noqa: BLE001
+                raise NativeError(BAD_REQUEST, f"{key}: cannot be carried ({err}): out of range", key) from None
+    return rec
+
+
+def from_record(rec: dict) -> NativeRequest:
+    """A `record` made where the request entered, taken as checked: nothing is validated again."""
+    if rec.get("messages") is not None:
+        rec = {**rec, "messages": [Message.model_construct(**m) for m in rec["messages"]]}
+    return NativeRequest.model_construct(**rec)
+
+
+def tokenize_burst(reqs: list, tokenizer) -> list[tuple[NativeRequest, list[int] | Exception] | Exception]:
+    """Each request with its prompt's ids or the error making them (an entry that is an error stays one).
+    The texts are encoded in one call (`Tokenizer.encode_batch`, on all cores), so that a burst of
     requests is admitted at once rather than one prompt after another."""
     out: list = []
     texts: dict[bool, list[tuple[int, str]]] = {True: [], False: []}  # add special tokens -> (index, text)
-    for i, body in enumerate(bodies):
-        try:
-            req = parse(body)
-        except Exception as e:  # noqa: BLE001 - the caller answers it, in order
-            out.append(e)
+    for i, req in enumerate(reqs):
+        if isinstance(req, Exception):  # the caller answers it, in order
+            out.append(req)
             continue
         try:
             src = prompt_source(req, tokenizer)
@@ -345,18 +368,12 @@ def check_model(name: str | None, served: list[str]) -> None:
         raise NativeError(NOT_FOUND, f"The model `{name}` does not exist; this server serves `{served[0]}`.", "model")
 
 
-def unreadable(req_id: str | None, body, e: Exception) -> dict:
-    """The 400 of a request that cannot be forwarded: not a JSON object, or one msgpack cannot carry (an
-    integer past 64 bits, a lone surrogate). Its field is named where validation finds one (the Triton
-    adapter imports this module on that path only: its stub stays light)."""
-    if isinstance(body, dict):
-        try:
-            parse(body)
-        except NativeError as err:
-            return error_response(req_id, 400, err.msg, err.param)
-        for key, value in body.items():  # valid, but a value the wire cannot carry: named
-            try:
-                dumps({key: value})
-            except Exception as err:  # noqa: BLE001 - msgpack's OverflowError, UnicodeEncodeError, ...
-                return error_response(req_id, 400, f"{key}: cannot be carried ({err}): out of range", key)
-    return error_response(req_id, 400, f"IN must hold one JSON object: {e}")
+def edge_record(body, req_id: str) -> tuple[dict | None, dict | None]:
+    """(the record to send on, None) for a body that enters here (the Triton adapter: a direct gRPC
+    client's), `req_id` filling in a missing one; else (None, its 400)."""
+    if not isinstance(body, dict):
+        return None, error_response(req_id, 400, "IN must hold one JSON object")
+    try:
+        return record(parse({**body, "req_id": body.get("req_id") or req_id})), None
+    except NativeError as err:
+        return None, error_response(body.get("req_id") or req_id, err.code, err.msg, err.param)

@@ -49,6 +49,14 @@ log = logging.getLogger("llmserve.engine_server")
 ADMIT_SLICE = 16
 
 
+def _request(rec) -> native.NativeRequest | Exception:
+    """The request of a record from the adapter (or its 400: not a record)."""
+    try:
+        return native.from_record(rec)
+    except Exception as e:  # noqa: BLE001 - answered in order, as a rejection
+        return NativeError(native.BAD_REQUEST, f"not a request record: {e}")
+
+
 class EngineServer:
     def __init__(self, config: Config, core: CoreLink, tokenizer, sock: zmq.Socket) -> None:
         self.cfg = config
@@ -131,7 +139,7 @@ class EngineServer:
                 break
             msgs.append((client, loads(raw)))
         # A burst's prompts are parsed and encoded a slice at a time, each admitted in order as it is parsed.
-        parsed = self._parse_slices([m["body"] for _, m in msgs if m.get("op") == "add"])
+        parsed = self._parse_slices([m["request"] for _, m in msgs if m.get("op") == "add"])
         for client, msg in msgs:
             op = msg.get("op")
             if op == "add":
@@ -148,15 +156,16 @@ class EngineServer:
                 log.info("%s connected: %s", msg.get("role"), client.decode(errors="replace"))
                 self.next_hb = 0.0  # stats now: the supervisor's readiness waits for the adapter count
 
-    def _parse_slices(self, bodies: list) -> Iterator:
-        """native.parse_burst's entries for `bodies`, parsed ADMIT_SLICE at a time as they are taken."""
-        for i in range(0, len(bodies), ADMIT_SLICE):
-            yield from native.parse_burst(bodies[i : i + ADMIT_SLICE], self.tokenizer)
+    def _parse_slices(self, records: list) -> Iterator:
+        """native.tokenize_burst's entries for `records`, ADMIT_SLICE at a time as they are taken."""
+        for i in range(0, len(records), ADMIT_SLICE):
+            yield from native.tokenize_burst([_request(r) for r in records[i : i + ADMIT_SLICE]], self.tokenizer)
 
     def _add(self, client: bytes, req_id: str | None, parsed) -> None:
-        """Admit one request (answering a rejection at once) and hand it to the core. This is where a
-        request is checked, once (protocol/native.py); `parsed` is native.parse_burst's entry for its
-        body, `req_id` (beside the body) names the rejection of a body that does not parse."""
+        """Admit one request (answering a rejection at once) and hand it to the core: checked against the
+        model's limits here, where they are known (its fields were checked where it entered: native.parse).
+        `parsed` is native.tokenize_burst's entry for its record, `req_id` (beside it) names the rejection
+        of a record that is not one."""
         try:
             if isinstance(parsed, Exception):
                 raise parsed

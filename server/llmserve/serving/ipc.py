@@ -5,10 +5,10 @@ client connects a DEALER. Messages are msgpack maps with an `op` (binary, compac
 
 client -> engine
   {"op": "hello", "role": "adapter" | "monitor"}    sent on every (re)connect
-  {"op": "add", "req_id": str, "body": {...}}
-                                   the native request as a map, its "req_id" set
-                                   (validated once, by the engine's admission; the req_id
-                                   beside it names the error of a body that does not parse)
+  {"op": "add", "req_id": str, "request": {...}}
+                                   the native request's record (native.record: every field,
+                                   checked where it entered, not validated again here); the
+                                   engine checks it against the model's limits
   {"op": "abort", "req_id": str}
 engine -> client
   {"op": "out", "items": [...]}    one message per step and client: every request's

@@ -17,7 +17,7 @@ import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 
-from llmserve.config import Config
+from llmserve.config import Config, parse_kernel_switches
 
 NOT_IMPLEMENTED = 501  # a request for a feature whose package is not installed here
 
@@ -75,9 +75,9 @@ def needed(cfg: Config) -> list[tuple[Package, str]]:
         out.append((PADDLE, where))
     if kind == "torch":
         out.append((TORCH, where))
-        if _cuda_here(cfg) and cfg.torch_kernels != "ref":
+        if _cuda_here(cfg) and not parse_kernel_switches(cfg.kernel_switches).get("ref"):
             device = f"LLMSERVE_DEVICE={cfg.device}" + (" (a GPU is present)" if cfg.device == "auto" else "")
-            out.append((TRITON, f"{where} with {device} and LLMSERVE_TORCH_KERNELS unset"))
+            out.append((TRITON, f"{where} with {device} (and no ref=1 in LLMSERVE_KERNEL_SWITCHES)"))
     if cfg.mp_num > 1 and kind != "torch":  # the ranks talk through torch.distributed
         out.append((Package("torch", "torch", "tensor parallelism (torch.distributed)"), f"MP_NUM={cfg.mp_num}"))
     if cfg.service_http_port != -1:  # the front end (supervisor.http_frontend_enabled)

@@ -24,10 +24,12 @@ Run through `start_server.sh` (llmserve.serving.control), which checks ports fir
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import logging
 import os
 import re
+import secrets
 import signal
 import sys
 import threading
@@ -361,7 +363,11 @@ class Supervisor:
 
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stdout)
-    sup = Supervisor(Config.from_env())
+    cfg = Config.from_env()
+    if not cfg.edge_token:  # the front end's and the adapter's shared secret: the children inherit it
+        cfg = dataclasses.replace(cfg, edge_token=secrets.token_hex(16))
+        os.environ.update(cfg.to_env("edge_token"))
+    sup = Supervisor(cfg)
 
     signal.signal(signal.SIGTERM, sup.on_signal)
     signal.signal(signal.SIGINT, sup.on_signal)

@@ -59,13 +59,13 @@ class TritonStream:
         rid = str(body.setdefault("req_id", str(uuid.uuid4())))
         return self.submit_raw(json.dumps(body).encode(), rid)
 
-    def submit_raw(self, data: bytes, rid: str = "") -> queue.Queue:
+    def submit_raw(self, data: bytes, rid: str = "", parameters: dict | None = None) -> queue.Queue:
         # The Triton request id routes responses; a duplicate native req_id gets its own.
         tid = f"{rid or uuid.uuid4()}#{uuid.uuid4().hex[:8]}"
         q: queue.Queue = queue.Queue()
         with self.lock:
             self.queues[tid] = q
-        self.client.async_stream_infer(MODEL_NAME, [_input(data)], request_id=tid)
+        self.client.async_stream_infer(MODEL_NAME, [_input(data)], request_id=tid, parameters=parameters)
         return q
 
     def close(self) -> None:

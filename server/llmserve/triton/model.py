@@ -1,8 +1,9 @@
 """The Triton Python-backend model (decoupled): a thin adapter to the engine process.
 
-`execute` reads the native JSON request from `IN`, registers the request's
-response sender and hands the request (as JSON text: the engine parses it) to
-an IO thread, which owns the ZMQ link to the engine process (ZMQ sockets are
+`execute` reads the request from `IN`: the HTTP front end's msgpack record (validated
+there: it carries EDGE_TOKEN in RECORD_PARAM), or a direct gRPC client's native JSON,
+which is validated here, once (protocol/native.py). It registers the request's response
+sender and hands the record to an IO thread, which owns the ZMQ link to the engine process (ZMQ sockets are
 single-threaded). The engine sends one message per step with every request's
 new tokens; the IO thread answers each request with `OUT` responses, the last
 one carrying TRITONSERVER_RESPONSE_COMPLETE_FINAL, and numbers them itself
@@ -46,6 +47,7 @@ The per-response path is one json.dumps; nothing else is done per token.
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import os
@@ -59,9 +61,9 @@ import triton_python_backend_utils as pb_utils
 import zmq
 
 from llmserve.config import Config
-from llmserve.protocol import ABORT_PARAM, cancelled_response, error_response
+from llmserve.protocol import ABORT_PARAM, RECORD_PARAM, cancelled_response, error_response
 from llmserve.serving import intake_trace
-from llmserve.serving.ipc import EngineLink, dumps
+from llmserve.serving.ipc import EngineLink, dumps, loads
 
 log = logging.getLogger("llmserve.triton")
 
@@ -138,6 +140,7 @@ class TritonPythonModel:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         sys.setswitchinterval(GIL_SWITCH_S)
         self.cfg = Config.from_env()
+        self.token = self.cfg.edge_token  # the HTTP front end's: its records are not validated again
         self.ctx = zmq.Context()
         self.senders: dict[str, object] = {}  # req_id -> response sender
         self.send_idx: dict[str, int] = {}  # req_id -> its next send_idx (IO thread only)
@@ -164,27 +167,28 @@ class TritonPythonModel:
     def execute(self, requests: list) -> None:
         for request in requests:
             sender = request.get_response_sender()
-            req_id = request.request_id() or None
-            body = None
+            req_id = request.request_id() or str(uuid.uuid4())
             try:
                 raw = pb_utils.get_input_tensor_by_name(request, "IN").as_numpy().reshape(-1)[0]
-                body = json.loads(raw)
-                if not isinstance(body, dict):
-                    raise ValueError("the request must be a JSON object")
-                if ABORT_PARAM in (request.parameters() or ""):
-                    self._abort(sender, body.get("req_id"))
+                params = request.parameters() or ""
+                if ABORT_PARAM in params:
+                    body = json.loads(raw)
+                    self._abort(sender, body.get("req_id") if isinstance(body, dict) else None)
                     continue
-                req_id = str(body.get("req_id") or req_id or uuid.uuid4())
-                body["req_id"] = req_id
+                if RECORD_PARAM in params:  # the HTTP front end's: validated there when it holds our token
+                    rec = loads(raw)
+                    trusted = self.token and hmac.compare_digest(str(json.loads(params)[RECORD_PARAM]), self.token)
+                    rec, refused = (rec, None) if trusted else self._edge(rec, req_id)
+                else:  # a direct gRPC client's JSON: checked here, once
+                    rec, refused = self._edge(json.loads(raw), req_id)
+                if refused is not None:
+                    self._respond(sender, refused, final=True)
+                    continue
+                req_id = rec["req_id"]
                 intake_trace.mark("adapter", req_id)
-                # The body as a msgpack map (no JSON text inside the message): the engine validates it once,
-                # where the model's limits are known. The req_id beside it routes a rejection. A lone
-                # surrogate cannot be UTF-8: msgpack refuses it here, answered as a 400 below.
-                msg = dumps({"op": "add", "req_id": req_id, "body": body})
-            except Exception as e:
-                from llmserve.protocol.native import unreadable  # pydantic: on this path only
-
-                self._respond(sender, unreadable(req_id, body, e), final=True)
+                msg = dumps({"op": "add", "req_id": req_id, "request": rec})
+            except Exception as e:  # not JSON (or msgpack) at all
+                self._respond(sender, error_response(req_id, 400, f"IN must hold one JSON object: {e}"), final=True)
                 continue
             with self.lock:
                 state = "dup" if req_id in self.senders else ("ok" if self.connected else "down")
@@ -198,6 +202,12 @@ class TritonPythonModel:
             elif state == "down":
                 self._respond(sender, error_response(req_id, 503, "the engine is not ready"), final=True)
         return None
+
+    @staticmethod
+    def _edge(body, req_id: str) -> tuple[dict | None, dict | None]:
+        from llmserve.protocol.native import edge_record  # pydantic: direct gRPC clients' requests only
+
+        return edge_record(body, req_id)
 
     def _abort(self, sender, req_id) -> None:
         """An abort request (ABORT_PARAM): handed to the IO thread through the pipe, so after this

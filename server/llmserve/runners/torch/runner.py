@@ -21,7 +21,7 @@ import torch
 
 from llmserve.config import Config
 from llmserve.engine.runner_contract import ModelRunner, SeqChunk, StepBatch, StepResult, split_prompt_logprobs
-from llmserve.kernels import pdl
+from llmserve.kernels import switches
 from llmserve.kernels.attention import AttnMeta, tile_tokens
 from llmserve.layers.kv_cache import kv_spec_for
 from llmserve.layers.model_config import ModelConfig
@@ -75,6 +75,10 @@ class TorchRunner(ModelRunner):
         over its shard and runs every step; rank 0's result is the one used (executor/)."""
         self.config = config
         self.tp = tp
+        kernels = switches.apply(config)  # LLMSERVE_KERNEL_SWITCHES: the process's, read where the kernels run
+        if kernels.pdl and tp.size > 1:  # PDL (kernels/pdl.py): with several ranks not measured
+            kernels.pdl = False
+            log.info("decode kernels launched without PDL (MP_NUM > 1)")
         cfg_path = config.model_config_path or str(Path(model_dir) / "config.json")
         mc = ModelConfig.from_file(cfg_path)
         check_shardable(mc, tp.size)
@@ -89,10 +93,6 @@ class TorchRunner(ModelRunner):
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
         method = method_for(model_dir, config, self.device, self.dtype)
-        # PDL (kernels/pdl.py): with several ranks not measured
-        if pdl.PDL_ON and tp.size > 1:
-            pdl.PDL_ON = False
-            log.info("decode kernels launched without PDL (MP_NUM > 1)")
         self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1, method, tp)
         # Shapes below are this rank's (its heads, KV heads); vocabulary and layers are the model's.
         self.model_config = mc = self.model.local
