@@ -193,6 +193,8 @@ def check_shardable(mc: ModelConfig, n: int) -> None:
     """ConfigError naming MP_NUM and the model's numbers when its heads or MLP do not split n ways."""
     if n == 1:
         return
+    if mc.mla is not None:
+        raise ConfigError(f"MP_NUM={n}: {mc.architecture} (MLA and experts) runs on one rank for now")
     bad = []
     if mc.num_attention_heads % n:
         bad.append(f"num_attention_heads={mc.num_attention_heads}")

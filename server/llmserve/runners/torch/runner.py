@@ -28,7 +28,7 @@ from llmserve.layers.model_config import ModelConfig
 from llmserve.layers.parallel import SINGLE, TensorParallel, check_shardable
 from llmserve.layers.quant.methods import method_for
 from llmserve.layers.sampler import DeviceSampler
-from llmserve.models.llama import DecoderModel
+from llmserve.models.registry import build_model
 from llmserve.runners.torch import inputs as step_inputs
 from llmserve.runners.torch.cuda_graphs import DecodeGraphs, VerifyPack, decode_splits
 from llmserve.runners.torch.head_proposer import HeadProposer, build_head, target_step
@@ -93,7 +93,8 @@ class TorchRunner(ModelRunner):
         self.vocab_size = mc.vocab_size
         t0 = time.perf_counter()
         method = method_for(model_dir, config, self.device, self.dtype)
-        self.model = DecoderModel(mc, model_dir, self.device, self.dtype, self.max_model_len + 1, method, tp)
+        # The architecture's class (models/registry.py: Llama / Qwen2, DeepSeek-V2/V3), which checks `config` first
+        self.model = build_model(mc, model_dir, config, self.device, self.dtype, self.max_model_len + 1, method, tp)
         # Shapes below are this rank's (its heads, KV heads); vocabulary and layers are the model's.
         self.model_config = mc = self.model.local
         log.info(
@@ -123,13 +124,16 @@ class TorchRunner(ModelRunner):
         # attention's tensor-core products need no conversion: kernels/attention.py), or int8 / FP8
         # with a scale per token and head (USE_CACHE_KV_INT8, KV_CACHE_DTYPE): kv_cache.py.
         self.kv_spec = kv_spec_for(
-            config.kv_cache_quant, self.dtype, self._kv_layers, mc.num_key_value_heads, self.block_size, mc.head_dim
-        )
+            config.kv_cache_quant, self.dtype, self._kv_layers, mc.num_key_value_heads, self.block_size, mc.head_dim,
+            mc.kv_latent_dim,  # MLA: one latent row a token (kv_cache.py)
+        )  # fmt: skip
         self.kv_dtype = self.kv_spec.dtype
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache = self.kv_spec.allocate(self.num_kv_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
-        if cuda and config.cuda_graphs:
+        if cuda and config.cuda_graphs and kernels.ref:  # the torch reference ops sync with the host
+            log.info("decode steps run eagerly: the ref kernel switch's ops cannot be captured as CUDA graphs")
+        elif cuda and config.cuda_graphs:
             drafts = config.speculate_max_draft_tokens if config.speculate_method != "none" else 0
             self.graphs = DecodeGraphs(
                 self.model, self.kv_cache, min(self.max_batch, 512), self.max_blocks_per_seq, self.num_sms, drafts,

@@ -1,0 +1,117 @@
+"""DeepSeek's mixture of experts: the router, the routed experts and the shared ones; and the dense SwiGLU MLP.
+
+Routing (`route`), in float32 as both references compute it, exactly as the config says (deepseek_config.py):
+scores are the router logits' sigmoid (V3) or softmax (V2); with groups, a token first keeps its `topk_group`
+best groups of experts, ranked by the sum of their two best bias-corrected scores (`noaux_tc`) or their best
+score (`group_limited_greedy`), then its `num_experts_per_tok` best experts among those (by the corrected
+scores; the bias only chooses, it never weighs). The weights are the chosen experts' uncorrected scores,
+normalised to sum 1 with `norm_topk_prob`, times `routed_scaling_factor`.
+
+Experts are `Linear`s of the checkpoint's format (gate/up fused, then down). The routed sum runs expert by
+expert over the tokens that chose it (a host sync for the counts: no CUDA graphs), correctness first; a
+grouped GEMM replaces it later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from llmserve.kernels.activation import swiglu
+from llmserve.layers.deepseek_config import MoEConfig
+from llmserve.layers.linear import Linear
+from llmserve.layers.quant.methods import LinearMethod, load_linear
+from llmserve.layers.weights import WeightReader
+
+
+def route(logits: torch.Tensor, cfg: MoEConfig, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] (float32) -> (weights [T, k] float32, expert ids [T, k]) (module doc)."""
+    T, E = logits.shape
+    scores = logits.sigmoid() if cfg.scoring_func == "sigmoid" else logits.softmax(dim=-1)
+    choice = scores + bias if bias is not None else scores
+    if cfg.n_group > 1:
+        grouped = choice.view(T, cfg.n_group, E // cfg.n_group)
+        if cfg.topk_method == "noaux_tc":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        else:
+            group_scores = grouped.max(dim=-1).values
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(cfg.topk_group, dim=-1).indices, True)
+        # masked experts: never chosen (-inf); V2's reference zeroes them, the same choice for softmax scores > 0
+        choice = choice.masked_fill(~keep.repeat_interleave(E // cfg.n_group, dim=1), float("-inf"))
+    ids = choice.topk(cfg.num_experts_per_tok, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if cfg.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * cfg.routed_scaling_factor, ids
+
+
+@dataclass
+class MLP:
+    """SwiGLU: down(silu(gate(x)) * up(x)), gate and up fused."""
+
+    gate_up: Linear
+    down: Linear
+
+    @classmethod
+    def load(cls, r: WeightReader, p: str, method: LinearMethod) -> MLP:
+        gate_up = load_linear(method, r, (p + "gate_proj.", None), (p + "up_proj.", None))
+        return cls(gate_up, load_linear(method, r, (p + "down_proj.", None)))
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        return self.down(swiglu(self.gate_up(x, torch.float32), x.dtype), out_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.gate_up.nbytes + self.down.nbytes
+
+
+@dataclass
+class MoE:
+    cfg: MoEConfig
+    gate: torch.Tensor  # [E, hidden] float32 (both references keep the router in float32)
+    bias: torch.Tensor | None  # [E] float32: e_score_correction_bias (noaux_tc)
+    experts: list[MLP]
+    shared: MLP | None
+
+    @classmethod
+    def load(cls, r: WeightReader, p: str, method: LinearMethod, cfg: MoEConfig) -> MoE:
+        """The experts of the layer whose MLP is under `p` (e.g. "model.layers.3.mlp."), named as DeepSeek's
+        and transformers' checkpoints name them (experts.{e}.gate_proj...)."""
+        if r.has(p + "experts.gate_up_proj"):
+            raise ValueError(f"{p}experts.gate_up_proj: fused expert tensors; expected experts.{{e}}.gate_proj etc.")
+        bias = r.raw(p + "gate.e_score_correction_bias").float() if cfg.topk_method == "noaux_tc" else None
+        return cls(
+            cfg,
+            r.raw(p + "gate.weight").float(),
+            bias,
+            [MLP.load(r, f"{p}experts.{e}.", method) for e in range(cfg.n_routed_experts)],
+            MLP.load(r, p + "shared_experts.", method) if cfg.n_shared_experts else None,
+        )
+
+    def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+        """Normed hidden states x [T, hidden] -> the routed experts' weighted sum plus the shared experts' [T, hidden]."""
+        weights, ids = route(x.float() @ self.gate.T, self.cfg, self.bias)
+        k = ids.shape[1]
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)  # (token, slot) pairs, expert after expert
+        counts = torch.bincount(flat, minlength=self.cfg.n_routed_experts).tolist()
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        start = 0
+        for e, n in enumerate(counts):
+            if n == 0:
+                continue
+            pairs = order[start : start + n]
+            tokens = pairs // k
+            y = self.experts[e](x[tokens], torch.float32) * weights.flatten()[pairs, None]
+            out.index_add_(0, tokens, y)
+            start += n
+        if self.shared is not None:
+            out += self.shared(x, torch.float32)
+        return out.to(out_dtype)
+
+    @property
+    def nbytes(self) -> int:
+        n = sum(m.nbytes for m in self.experts) + (self.shared.nbytes if self.shared is not None else 0)
+        return n + self.gate.numel() * 4
