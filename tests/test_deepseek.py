@@ -140,7 +140,8 @@ def test_paged_mla_prefix_hits_chunked_prefill_preemption_equal_dense(tmp_path, 
     path = write_random_deepseek(tmp_path, "v3", seed=fresh_seed)
     rng = random.Random(fresh_seed)
     prefix = [rng.randrange(256) for _ in range(24)]
-    prompts = [prefix + [rng.randrange(256) for _ in range(rng.randint(1, 12))] for _ in range(4)]
+    # 25-32 tokens: any two fit the preemption run's 16 blocks together, and their ends (37+ tokens each) do not
+    prompts = [prefix + [rng.randrange(256) for _ in range(rng.randint(1, 8))] for _ in range(4)]
     prompts.append(prefix + [5, 6, 7, 8] * 3)  # a repeat, where n-gram speculation proposes
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     hf = hf_model(path)

@@ -146,7 +146,8 @@ INTERP_SCRIPT = textwrap.dedent(
         bias = torch.randn(N, generator=gen).to(torch.bfloat16) if rows % 2 else None
         y = G.gemv(x, w, s, 0, bias, out)
         assert y.shape == (rows, N) and y.dtype == out, (N, K, rows)
-        assert rel_err(y, float64_product(x, w, s, 0, bias)) < (1e-5 if out == torch.float32 else 2**-7), (N, K, rows)
+        # (the 4-bit GEMV keeps ~13 bits of each q x, gemv4.py: 1e-4, as the GPU test allows)
+        assert rel_err(y, float64_product(x, w, s, 0, bias)) < (1e-4 if out == torch.float32 else 2**-7), (N, K, rows)
         assert torch.equal(y[rows - 1 :], G.gemv(x[rows - 1 :], w, s, 0, bias, out))  # a row is its own product
         if N % 2 == 0:  # as gate | up rows: the SwiGLU in the epilogue
             rows_ = G.gemv(x[:1], w, s, 0, None, torch.float32)
