@@ -15,6 +15,12 @@ when a previous try left one), checked against its md5, then renamed into
 place, so DIR never holds a half-written file under its real name. Files
 already present with the right md5 are skipped. Names that would land outside
 DIR (absolute, `..`) are refused.
+
+The seeds' DeepSeek-V3/R1 names (`SEED_MODELS`: `deepseek-ai/DeepSeek-R1[-MTP][-2nodes]/FORMAT`) are
+known: a `-2nodes` model needs `--nnodes 2`, a one-node one refuses it, a format the table does not
+list is refused with the list, and a `-MTP` model without `--speculate_model_path` says its MTP model
+was left out. After a download, the layout that arrived is printed (config.json, rank_0 ... rank_{n-1},
+tokenizer files) and checked against the table's GPUs per node (8: one rank a GPU).
 """
 
 from __future__ import annotations
@@ -33,8 +39,56 @@ DEFAULT_BASE_URL = "https://paddlenlp.bj.bcebos.com/models/static"
 CHUNK = 1 << 16  # small: what arrived before a dropped connection stays in the .part
 
 
+# The seeds' deployment table (80 GB GPUs, 8 a node, 8K context): name -> (nodes, MTP model's format or
+# None, recommended BLOCK_BS).
+SEED_MODELS = {
+    "deepseek-ai/DeepSeek-R1/a8w8_fp8_wint4": (1, None, 40),
+    "deepseek-ai/DeepSeek-R1-MTP/a8w8_fp8_wint4": (1, "a8w8_fp8", 36),
+    "deepseek-ai/DeepSeek-R1/weight_only_int4": (1, None, 40),
+    "deepseek-ai/DeepSeek-R1-MTP/weight_only_int4": (1, "weight_only_int8", 36),
+    "deepseek-ai/DeepSeek-R1-2nodes/a8w8_fp8": (2, None, 50),
+    "deepseek-ai/DeepSeek-R1-MTP-2nodes/a8w8_fp8": (2, "a8w8_fp8", 36),
+    "deepseek-ai/DeepSeek-R1-2nodes/weight_only_int8": (2, None, 40),
+    "deepseek-ai/DeepSeek-R1-MTP-2nodes/weight_only_int8": (2, "weight_only_int8", 36),
+}
+GPUS_PER_NODE = 8
+
+
 class DownloadError(RuntimeError):
     pass
+
+
+def check_seed_name(name: str, nnodes: int, speculate_model_path: str | None) -> str | None:
+    """DownloadError for a seeds' DeepSeek name used against the table; a note to print, or None."""
+    family = name.rsplit("/", 1)[0]
+    if family not in {n.rsplit("/", 1)[0] for n in SEED_MODELS}:
+        return None  # not one of the table's families (e.g. the distills): nothing to check
+    if name not in SEED_MODELS:
+        known = sorted(n.rsplit("/", 1)[1] for n in SEED_MODELS if n.startswith(family + "/"))
+        raise DownloadError(f"--model_name {name}: not in the seeds' DeepSeek table; {family} has {', '.join(known)}")
+    nodes, mtp, block_bs = SEED_MODELS[name]
+    if nnodes != nodes:
+        fix = "--nnodes 2 --mode master|slave" if nodes == 2 else "no --nnodes (one node)"
+        raise DownloadError(f"--model_name {name} is a {nodes}-node model, got --nnodes {nnodes}: pass {fix}")
+    note = f"{name}: {nodes} node(s) x {GPUS_PER_NODE} GPUs, recommended BLOCK_BS {block_bs} at 8K context"
+    if mtp and not speculate_model_path:
+        note += f"; its MTP model ({mtp}) was not fetched: pass --speculate_model_path DIR"
+    return note
+
+
+def describe_layout(out_dir: Path, expect_ranks: int | None) -> str:
+    """What a download left in out_dir, and a warning when its ranks are not the expected count."""
+    ranks = sorted(int(p.name[5:]) for p in out_dir.glob("rank_*") if p.is_dir() and p.name[5:].isdigit())
+    names = ["config.json"] if (out_dir / "config.json").is_file() else []
+    if ranks:
+        names.append(
+            f"rank_{ranks[0]} ... rank_{ranks[-1]} ({len(ranks)} ranks)" if len(ranks) > 1 else f"rank_{ranks[0]}"
+        )
+    names += sorted(p.name for p in out_dir.glob("tokenizer*"))
+    line = f"{out_dir}: " + (", ".join(names) or "no config.json, rank_* or tokenizer files")
+    if expect_ranks is not None and len(ranks) != expect_ranks:
+        line += f" (warning: the seeds' table expects {expect_ranks} rank directories a node, found {len(ranks)})"
+    return line
 
 
 def safe_relpath(name: str, what: str) -> PurePosixPath:
@@ -134,14 +188,18 @@ def main(argv: list[str] | None = None) -> int:
         name = safe_relpath(args.model_name, "model name")
         if args.nnodes < 1:
             raise DownloadError(f"--nnodes must be >= 1, got {args.nnodes}")
+        note = check_seed_name(str(name), args.nnodes, args.speculate_model_path)
         model_url = f"{args.base_url.rstrip('/')}/{quote(str(name))}"
         node_url = f"{model_url}/{args.mode}" if args.nnodes > 1 else model_url
         with requests.Session() as session:
             n = download_tree(session, node_url, Path(args.dir))
             print(f"{args.model_name}: {n} file(s) downloaded into {args.dir}")
+            print(describe_layout(Path(args.dir), GPUS_PER_NODE if note else None))
             if args.speculate_model_path:
                 n = download_tree(session, f"{model_url}/mtp", Path(args.speculate_model_path))
                 print(f"{args.model_name} (speculative model): {n} file(s) downloaded into {args.speculate_model_path}")
+            if note:
+                print(note)
     except (DownloadError, requests.RequestException, OSError) as e:
         print(f"download_model: {e}", file=sys.stderr)
         return 1

@@ -2,7 +2,7 @@
 
 Tiny random checkpoints (models/random_model.py `write_random_deepseek`): V3 with every feature (q LoRA,
 sigmoid routing with the score-correction bias, groups, norm_topk_prob, routed_scaling_factor 2.5, a dense
-first layer, a shared expert, YaRN with mscale, an MTP layer's tensors left unread) and V2 (softmax routing,
+first layer, a shared expert, YaRN with mscale, an MTP layer: tests/test_deepseek_mtp.py serves it) and V2 (softmax routing,
 no q LoRA, greedy and group-limited top-k). References are built independently: transformers'
 DeepseekV3ForCausalLM / DeepseekV2ForCausalLM from the same files, a per-token Python router, and greedy
 tokens of HF generate for the paged runs (prefix-cache hits, chunked prefill, preemption).
@@ -254,8 +254,8 @@ def test_settings_refused_by_name(tmp_path):
     mc = ModelConfig.from_file(path / "config.json")
     with pytest.raises(ConfigError, match="MP_NUM=2"):
         check_shardable(mc, 2)
-    with pytest.raises(ConfigError, match="SPECULATE_METHOD=mtp"):
-        make_runner(path, block_bs=4, speculate_method="mtp")
+    with pytest.raises(ConfigError, match="SPECULATE_METHOD=mtp: .* has no MTP module"):
+        make_runner(path, block_bs=4, speculate_method="mtp")  # the tiny V2 writes no MTP layer
     with pytest.raises(ValueError, match="KV_CACHE_DTYPE=int8"):
         kv_spec_for("int8", torch.float32, 2, 1, 4, mc.head_dim, mc.kv_latent_dim)
     llama_yarn = dict(architectures=["LlamaForCausalLM"], vocab_size=8, hidden_size=8, intermediate_size=8)

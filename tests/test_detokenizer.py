@@ -141,7 +141,7 @@ def test_sentencepiece_default_normalization(tmp_path, rng):
 
     import sentencepiece
 
-    from llmserve.models.demo_corpus import corpus_lines
+    from llmserve.models.demo_tokenizer import corpus_lines
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(

@@ -191,3 +191,23 @@ def test_missing_model_is_a_clear_error(server, tmp_path):
     _, base = server
     r = run(base, "--model_name", "no/such/model", "--dir", str(tmp_path))
     assert r.returncode == 1 and "HTTP 404" in r.stderr
+
+
+def test_the_seeds_deepseek_names_are_checked_against_their_table(server, tmp_path):
+    store, base = server
+    two = "deepseek-ai/DeepSeek-R1-MTP-2nodes/weight_only_int8"
+    r = run(base, "--model_name", two, "--dir", str(tmp_path / "a"))  # a 2-node model on one node
+    assert r.returncode == 1 and "2-node model" in r.stderr and "--nnodes 2" in r.stderr
+    r = run(base, "--model_name", "deepseek-ai/DeepSeek-R1/weight_only_int8", "--dir", str(tmp_path / "b"))
+    assert r.returncode == 1 and "a8w8_fp8_wint4, weight_only_int4" in r.stderr  # the one-node formats listed
+    assert not store.log  # refused before any request
+    ranks = {f"rank_{i}/model.pdiparams": os.urandom(64) for i in range(8)}
+    publish(store, "deepseek-ai/DeepSeek-R1-MTP/weight_only_int4", {"config.json": b"{}", **ranks})
+    r = run(base, "--model_name", "deepseek-ai/DeepSeek-R1-MTP/weight_only_int4", "--dir", str(tmp_path / "c"))
+    assert r.returncode == 0, r.stderr
+    assert "config.json, rank_0 ... rank_7 (8 ranks)" in r.stdout and "warning" not in r.stdout
+    assert "BLOCK_BS 36" in r.stdout and "MTP model (weight_only_int8) was not fetched" in r.stdout
+    publish(store, f"{two}/slave", {"rank_8/model.pdiparams": b"x"})
+    r = run(base, "--model_name", two, "--dir", str(tmp_path / "d"), "--nnodes", "2", "--mode", "slave")
+    assert r.returncode == 0, r.stderr
+    assert "rank_8 (warning: the seeds' table expects 8 rank directories a node, found 1)" in r.stdout

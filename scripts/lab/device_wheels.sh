@@ -154,6 +154,6 @@ fi
 ts "carried files:"
 ls -l "$DEST"/*.whl "$DEST"/*.tar.xz | awk '{n = split($9, a, "/"); printf "  %8.2f MiB  %s\n", $5 / 1048576, a[n]}'
 total=$(du -cb "$DEST"/*.whl "$DEST"/*.tar.xz | tail -1 | cut -f1)
-tree=$(git ls-files -z | xargs -0 du -cb 2>/dev/null | tail -1 | cut -f1)
+tree=$({ git ls-files -z | xargs -0 du -cb 2>/dev/null || true; } | tail -1 | cut -f1)
 awk -v t="$total" -v r="$tree" 'BEGIN { printf "total %.1f MiB (+ %.1f MiB of tracked files; the device tool carries at most 64 MiB)\n", t / 1048576, r / 1048576 }'
 [[ "$total" -lt $((58 * 1048576)) ]] || { echo "too large for the device tool" >&2; exit 1; }

@@ -14,8 +14,12 @@ Two equal ways to attend to it (`paged_mla_attention`):
   keys of kv_lora + rope and values their first kv_lora features), and W_uv is applied to the
   kv_lora-wide output. Nothing per context token is recomputed.
 
-`latent_attention` (the absorbed inner product) is what a decode kernel replaces; this module's torch
-implementation loops over the chunks, syncing with the host (no CUDA graphs), correctness first.
+Where each runs: on CUDA (unless the `ref` kernel switch is on) the absorbed chunks of up to MLA_MAX_Q = 8
+queries go through kernels/mla_decode.py, one launch for the step (W_uk and W_uv as batched products in the
+weights' dtype around it); a decode step (one query a chunk, T == B) needs no host sync, and a CUDA graph's
+uniform layout none either (`kernel_q_tile`). A step with longer chunks looks at cu_q once and runs those in
+torch (`paged_mla_attention_ref`). That torch path, chunk by chunk with `latent_attention` or
+`expanded_attention`, syncing with the host, is the reference, and the CPU's path.
 
 Rotary: DeepSeek rotates adjacent pairs (x0, x1), (x2, x3)...; the pairs are gathered into halves first
 ([x0, x2, ... | x1, x3, ...], as transformers' V3 does), so one rotate-half formula serves both layouts.
@@ -29,7 +33,11 @@ from dataclasses import dataclass
 
 import torch
 
+from llmserve.kernels import use_triton
 from llmserve.kernels.attention import AttnMeta
+from llmserve.kernels.cache_rows import store_rows
+from llmserve.kernels.mla_decode import MLA_MAX_Q, mla_decode
+from llmserve.kernels.mla_decode import fits as mla_decode_fits
 from llmserve.kernels.norm import rms_norm
 from llmserve.layers.deepseek_config import NORM_EPS, MLAConfig
 from llmserve.layers.kv_cache import LayerKV
@@ -121,6 +129,76 @@ def expanded_attention(
     return torch.einsum("htk,khv->thv", s.softmax(-1), v)
 
 
+def chunk_attention(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttnMeta,
+    b: int,
+    q0: int,
+    q1: int,
+    kv_len: int,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    absorb_max_q: int,
+) -> torch.Tensor:
+    """Chunk b (queries q0:q1 of the batch, kv_len cached rows) in torch -> [q1 - q0, H, v_head] float32:
+    absorbed up to `absorb_max_q` queries, expanded beyond (w_uk, w_uv in float32)."""
+    bs, L = cache.shape[2], w_uk.shape[-1]
+    pos = torch.arange(kv_len, device=cache.device)
+    rows = cache[meta.block_tables[b, pos // bs].long(), 0, pos % bs].float()  # [kv_len, L + R]
+    q_pos = torch.arange(kv_len - (q1 - q0), kv_len, device=cache.device)
+    qn, qr = q_nope[q0:q1].float(), q_rope[q0:q1].float()
+    if q1 - q0 > absorb_max_q:
+        return expanded_attention(qn, qr, rows, q_pos, w_uk, w_uv, scale)
+    q_lat = torch.cat([torch.einsum("thn,hnl->thl", qn, w_uk), qr], dim=-1)
+    return torch.einsum("thl,hvl->thv", latent_attention(q_lat, rows, q_pos, scale, L), w_uv)
+
+
+def paged_mla_attention_ref(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttnMeta,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+    absorb_max_q: int = ABSORB_MAX_Q,
+    chunks: list[int] | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`paged_mla_attention` in torch, chunk by chunk, syncing with the host: the reference, the CPU's path
+    and long chunks' (`chunks`: only those, into `out`)."""
+    T, H, _ = q_nope.shape
+    w_uk, w_uv = w_uk.float(), w_uv.float()
+    out = q_nope.new_zeros(T, H, w_uv.shape[1], dtype=torch.float32) if out is None else out
+    cu, lens = meta.cu_q.tolist(), meta.seq_lens.tolist()
+    for b in range(len(lens)) if chunks is None else chunks:
+        q0, q1 = cu[b], cu[b + 1]
+        if q1 > q0 and lens[b] > 0:
+            out[q0:q1] = chunk_attention(
+                q_nope, q_rope, cache, meta, b, q0, q1, lens[b], w_uk, w_uv, scale, absorb_max_q
+            )
+    return out
+
+
+def kernel_q_tile(T: int, meta: AttnMeta, kmax: int) -> tuple[int, list[int]]:
+    """(most queries of a chunk the kernel takes, the chunks it leaves to torch), syncing only when the
+    shapes cannot tell: every chunk has a query (the runner's steps), so none has more than T - B + 1; a
+    CUDA graph's layout gives each T / B; else one look at cu_q."""
+    B = meta.seq_lens.shape[0]
+    if T - B + 1 <= kmax:
+        return max(1, T - B + 1), []
+    if meta.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing():
+        if T % B or T // B > kmax:
+            raise RuntimeError(f"MLA decode graph: {T} queries over {B} chunks, more than {kmax} a chunk")
+        return T // B, []
+    q_lens = (meta.cu_q[1:] - meta.cu_q[:-1]).tolist()
+    short = [n for n in q_lens if n <= kmax]
+    return max(short, default=1), [b for b, n in enumerate(q_lens) if n > kmax]
+
+
 def paged_mla_attention(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
@@ -133,26 +211,22 @@ def paged_mla_attention(
 ) -> torch.Tensor:
     """q_nope [T, H, nope], q_rope [T, H, R] (rotated) over the cached rows (`cache` [blocks, 1, bs, L + R],
     this step's already written) -> [T, H, v_head] float32: absorbed for chunks of up to `absorb_max_q`
-    queries, expanded for longer ones (module doc)."""
+    queries (on the decode kernel where it runs), expanded for longer ones (module doc)."""
     T, H, _ = q_nope.shape
-    bs, L = cache.shape[2], w_uk.shape[-1]
-    w_uk, w_uv = w_uk.float(), w_uv.float()
-    out = q_nope.new_zeros(T, H, w_uv.shape[1], dtype=torch.float32)
-    cu, lens = meta.cu_q.tolist(), meta.seq_lens.tolist()
-    for b, kv_len in enumerate(lens):
-        q0, q1 = cu[b], cu[b + 1]
-        if q1 == q0 or kv_len == 0:
-            continue
-        pos = torch.arange(kv_len, device=cache.device)
-        rows = cache[meta.block_tables[b, pos // bs].long(), 0, pos % bs].float()  # [kv_len, L + R]
-        q_pos = torch.arange(kv_len - (q1 - q0), kv_len, device=cache.device)
-        qn, qr = q_nope[q0:q1].float(), q_rope[q0:q1].float()
-        if q1 - q0 <= absorb_max_q:
-            q_lat = torch.cat([torch.einsum("thn,hnl->thl", qn, w_uk), qr], dim=-1)
-            o_lat = latent_attention(q_lat, rows, q_pos, scale, L)
-            out[q0:q1] = torch.einsum("thl,hvl->thv", o_lat, w_uv)
-        else:
-            out[q0:q1] = expanded_attention(qn, qr, rows, q_pos, w_uk, w_uv, scale)
+    L, R = w_uk.shape[-1], q_rope.shape[-1]
+    kmax = min(absorb_max_q, MLA_MAX_Q)
+    if kmax < 1 or T == 0 or not use_triton(cache) or not mla_decode_fits(L, R, cache):
+        return paged_mla_attention_ref(q_nope, q_rope, cache, meta, w_uk, w_uv, scale, absorb_max_q)
+    q_tile, rest = kernel_q_tile(T, meta, kmax)
+    if len(rest) == meta.seq_lens.shape[0]:  # no chunk for the kernel (a prefill step)
+        return paged_mla_attention_ref(q_nope, q_rope, cache, meta, w_uk, w_uv, scale, absorb_max_q)
+    # Absorb W_uk, and later apply W_uv, per head as batched products in the weights' dtype.
+    q_abs = torch.bmm(q_nope.transpose(0, 1).to(w_uk.dtype), w_uk).transpose(0, 1)
+    q_lat = torch.cat([q_abs.to(cache.dtype), q_rope.to(cache.dtype)], dim=-1)
+    o_lat = mla_decode(q_lat, cache, meta, scale, L, q_tile)
+    out = torch.bmm(o_lat.transpose(0, 1).to(w_uv.dtype), w_uv.transpose(1, 2)).transpose(0, 1).float()
+    if rest:  # chunks longer than the kernel takes
+        paged_mla_attention_ref(q_nope, q_rope, cache, meta, w_uk, w_uv, scale, absorb_max_q, rest, out)
     return out
 
 
@@ -189,10 +263,7 @@ class MLAttention:
         latent = rms_norm(a[:, :L].contiguous(), w.kv_a_norm.float(), NORM_EPS)
         k_rope = rotate(a[:, L:], cs, c.rope_interleave)
         cache = kv[0]
-        keep = slot_mapping >= 0
-        slots = slot_mapping[keep].long()
-        bs = cache.shape[2]
-        cache[slots // bs, 0, slots % bs] = torch.cat([latent, k_rope], dim=-1)[keep].to(cache.dtype)
+        store_rows(torch.cat([latent, k_rope], dim=-1), slot_mapping, cache)
         out = paged_mla_attention(
             q[..., : c.qk_nope_head_dim], q_rope, cache, meta, w.w_uk, w.w_uv, self.scale, self.absorb_max_q
         )

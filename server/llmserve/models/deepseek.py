@@ -5,9 +5,13 @@ rope key), residual, RMSNorm, then a dense SwiGLU MLP for the first `first_k_den
 mixture of experts after (layers/moe.py), residual. Then the final norm and the LM head. The same interface
 as llama.py's `DecoderModel`, which the torch runner drives (forward, logits, cfg, local, weight_bytes).
 
-The residual stream stays in float32, as llama.py's does. The MTP module's weights (`model.layers.{N}.`,
-`num_nextn_predict_layers`) are left unread; SPECULATE_METHOD=mtp, tensor parallelism (MP_NUM > 1) and CUDA
-graphs (the torch MLA / MoE paths sync with the host) are refused by name at start (`check_settings`).
+The residual stream stays in float32, as llama.py's does. The checkpoint's MTP layer (`model.layers.{N}.`,
+`num_nextn_predict_layers`) serves SPECULATE_METHOD=mtp (runners/torch/mtp.py): the head builds its decoder
+layer here (`load_head_layer`: MLA over one more latent-cache layer, MoE as layer N would be) and runs it as
+the trunk runs its own (`layer`). Tensor parallelism (MP_NUM > 1) is refused by name at start
+(`check_settings`). On CUDA, decode and verification steps (and the MTP head's) replay CUDA graphs: the MLA
+decode kernel, the cache write and the fused experts wait on nothing; where a torch path would
+(`graph_blocker`), the runner runs the steps eagerly and says why.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ import torch
 
 from llmserve.config import Config, ConfigError
 from llmserve.kernels.attention import AttnMeta
+from llmserve.kernels.mla_decode import MLA_MAX_Q
+from llmserve.kernels.mla_decode import fits as mla_decode_fits
 from llmserve.kernels.norm import rms_norm
 from llmserve.kernels.rotary import rope_cos_sin
-from llmserve.layers.kv_cache import KVCache
+from llmserve.layers.kv_cache import KVCache, LayerKV
 from llmserve.layers.mla import MLAttention, load_mla
 from llmserve.layers.model_config import ModelConfig
 from llmserve.layers.moe import MLP, MoE
@@ -46,10 +52,6 @@ class DeepseekModel:
         bad = []
         if config.mp_num > 1:
             bad.append(f"MP_NUM={config.mp_num}: one rank only")
-        if config.speculate_method == "mtp":
-            bad.append("SPECULATE_METHOD=mtp: its MTP layer is not served yet (ngram works)")
-        if device.type == "cuda" and config.cuda_graphs:
-            bad.append("LLMSERVE_CUDA_GRAPHS=1: the torch MLA / MoE paths cannot be captured yet; set it to 0")
         if bad:
             raise ConfigError(f"{cfg.architecture}: " + "; ".join(bad))
 
@@ -74,21 +76,42 @@ class DeepseekModel:
         r = WeightReader(Path(model_dir), device, dtype)
         scaling = dict(cfg.rope_scaling)
         # YaRN: cos/sin carry its attention factor (on q's and k's rope parts alike), the scale its mscale
-        cos_sin = rope_cos_sin(cfg.inv_freq(), max_positions, device) * yarn_attention_factor(scaling)
-        scale = cfg.mla.qk_head_dim**-0.5 * yarn_softmax_mscale(scaling)
-        H = cfg.num_attention_heads
+        self.cos_sin = rope_cos_sin(cfg.inv_freq(), max_positions, device) * yarn_attention_factor(scaling)
+        self.scale = cfg.mla.qk_head_dim**-0.5 * yarn_softmax_mscale(scaling)
+        self.out_dtype = torch.float32  # what the products write: the residual stream's dtype
         self.embed = r.get("model.embed_tokens.weight")
-        self.layers = []
-        for i in range(cfg.num_hidden_layers):  # the MTP layers after them are not read
-            p = f"model.layers.{i}."
-            m = p + "mlp."
-            mlp = MoE.load(r, m, self.method, cfg.moe) if cfg.moe.is_moe(i) else MLP.load(r, m, self.method)
-            attn = MLAttention(load_mla(r, p + "self_attn.", self.method, cfg.mla, H), cfg.mla, H, scale, cos_sin)
-            norms = r.get(p + "input_layernorm.weight"), r.get(p + "post_attention_layernorm.weight")
-            self.layers.append(DeepseekLayer(norms[0], attn, norms[1], mlp))
+        # the MTP layers after them are read by the MTP head (load_head_layer)
+        self.layers = [
+            self._load_layer(r, f"model.layers.{i}.", cfg.moe.is_moe(i)) for i in range(cfg.num_hidden_layers)
+        ]
         self.norm = r.get("model.norm.weight")
         tied = cfg.tie_word_embeddings or not r.has("lm_head.weight")
         self.lm_head = self.embed if tied else r.get("lm_head.weight")
+
+    def _load_layer(self, r: WeightReader, p: str, moe: bool) -> DeepseekLayer:
+        """The decoder layer under `p` (e.g. "model.layers.3."): MLA, then the experts or a dense MLP."""
+        cfg, H, m = self.cfg, self.cfg.num_attention_heads, p + "mlp."
+        mlp = MoE.load(r, m, self.method, cfg.moe) if moe else MLP.load(r, m, self.method)
+        attn = MLAttention(load_mla(r, p + "self_attn.", self.method, cfg.mla, H), cfg.mla, H, self.scale, self.cos_sin)
+        norms = r.get(p + "input_layernorm.weight"), r.get(p + "post_attention_layernorm.weight")
+        return DeepseekLayer(norms[0], attn, norms[1], mlp)
+
+    def load_head_layer(self, r: WeightReader, p: str) -> DeepseekLayer:
+        """A head proposer's decoder layer under `p` (runners/torch/mtp.py: the MTP layer, index N =
+        num_hidden_layers): layer N of this model, the experts where `moe.is_moe(N)` (V3's layout: always)."""
+        return self._load_layer(r, p, self.cfg.moe.is_moe(self.cfg.num_hidden_layers))
+
+    def graph_blocker(self, kv_cache: KVCache, max_q: int) -> str | None:
+        """Why steps of up to `max_q` queries a sequence cannot be captured as CUDA graphs (None: they can):
+        the torch paths of the experts (a format fused_moe does not read) and of MLA wait on the host."""
+        moe = [lw.mlp for lw in self.layers if isinstance(lw.mlp, MoE)]
+        if any(m.stacked is None for m in moe):
+            return f"the routed experts in {self.method.name} run expert by expert (layers/moe.py `_routed_loop`)"
+        if not mla_decode_fits(self.cfg.mla.kv_lora_rank, self.cfg.mla.qk_rope_head_dim, kv_cache.data):
+            return f"the latent cache ({kv_cache.data.dtype}) is not the MLA decode kernel's"
+        if max_q > MLA_MAX_Q:
+            return f"verification steps of {max_q} queries: the MLA decode kernel takes {MLA_MAX_Q} a sequence"
+        return None
 
     @property
     def weight_bytes(self) -> int:
@@ -117,10 +140,24 @@ class DeepseekModel:
         for i, lw in enumerate(self.layers):
             if i > 0:
                 x = rms_norm(out, lw.in_norm, eps, residual)  # residual += the last MLP's output
-            a = lw.attn(x, positions, slot_mapping, meta, kv_cache.layer(i), torch.float32)
-            x = rms_norm(a, lw.post_norm, eps, residual)
-            out = lw.mlp(x, torch.float32)
+            out = self.layer(lw, x, residual, positions, slot_mapping, meta, kv_cache.layer(i))
         return rms_norm(out, self.norm, eps, residual) if out is not None else rms_norm(h, self.norm, eps)
+
+    def layer(
+        self,
+        lw: DeepseekLayer,
+        x: torch.Tensor,
+        residual: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        meta: AttnMeta,
+        kv: LayerKV,
+    ) -> torch.Tensor:
+        """One decoder layer on its normed input `x` (llama.py's `layer` contract, which the MTP head calls):
+        attention (its latent rows into `kv`), `residual += its output`, then the MLP's output, which the
+        caller adds to the residual with the next norm."""
+        a = lw.attn(x, positions, slot_mapping, meta, kv, torch.float32)
+        return lw.mlp(rms_norm(a, lw.post_norm, self.cfg.rms_norm_eps, residual), torch.float32)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] float32."""

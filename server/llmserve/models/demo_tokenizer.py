@@ -23,7 +23,16 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from llmserve.models.demo_corpus import corpus_lines
+# Local training text for the demo tokenizer (written for this project, a data file of the package): plain
+# prose, chat-like turns, code-like lines, numbers, and lines in several scripts so that multi-byte UTF-8 is
+# exercised (rare CJK characters stay split over several byte tokens after training).
+CORPUS = Path(__file__).with_name("demo_corpus.txt")
+
+
+def corpus_lines() -> list[str]:
+    """The corpus's non-blank lines, in its fixed order (training must be deterministic)."""
+    return [line for line in CORPUS.read_text(encoding="utf-8").split("\n") if line.strip()]
+
 
 BOS, EOS, IM_START, IM_END = "<s>", "</s>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = (BOS, EOS, IM_START, IM_END)

@@ -141,6 +141,11 @@ class DecoderModel:
         self.out_dtype = torch.float32 if self.wide else dtype
         self._gemv_layers: bool | None = None  # norms_in_gemvs
 
+    def load_head_layer(self, r: WeightReader, p: str) -> LayerWeights:
+        """A head proposer's decoder layer under `p` (runners/torch/mtp.py: the MTP module's), quantized as the
+        trunk is; run by `layer` (one rank: MTP refuses MP_NUM > 1)."""
+        return load_layer(r, p, self.method)
+
     def _vocab_rows(self, r: WeightReader, name: str) -> torch.Tensor:
         """The embedding / LM head rows this rank holds, zero-padded to ceil(V / N) (parallel.py)."""
         if self.tp.size == 1:
@@ -290,6 +295,10 @@ class DecoderModel:
         if fuse and (w := gate_up.skinny_operands(x, self.out_dtype)) is not None:
             return skinny(x, w, None, self.dtype, glu=True)
         return swiglu(gate_up(x, self.out_dtype), self.dtype)
+
+    def graph_blocker(self, kv_cache: KVCache, max_q: int) -> str | None:
+        """Why steps could not be captured as CUDA graphs: never here (no path waits on the host)."""
+        return None
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """With `wide`, written in fp32 instead of rounded to bf16. With several ranks, each

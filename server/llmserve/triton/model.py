@@ -1,45 +1,30 @@
 """The Triton Python-backend model (decoupled): a thin adapter to the engine process.
 
-`execute` reads the request from `IN`: the HTTP front end's msgpack record (validated
-there: it carries EDGE_TOKEN in RECORD_PARAM), or a direct gRPC client's native JSON,
-which is validated here, once (protocol/native.py). It registers the request's response
-sender and hands the record to an IO thread, which owns the ZMQ link to the engine process (ZMQ sockets are
-single-threaded). The engine sends one message per step with every request's
-new tokens; the IO thread answers each request with `OUT` responses, the last
-one carrying TRITONSERVER_RESPONSE_COMPLETE_FINAL, and numbers them itself
-(`send_idx` 0, 1, 2, ... per request, counting the responses it sends).
+`execute` reads the request from `IN`: the HTTP front end's msgpack record (validated there: it carries
+EDGE_TOKEN in RECORD_PARAM), or a direct gRPC client's native JSON, validated here, once
+(protocol/native.py). It registers the request's response sender and hands the record to an IO thread,
+which owns the ZMQ link to the engine process (ZMQ sockets are single-threaded). The engine sends one
+message per step with every request's new tokens; the IO thread answers each request with `OUT`
+responses, the last one carrying TRITONSERVER_RESPONSE_COMPLETE_FINAL, numbered by it (`send_idx`).
+Within a turn, the responses of requests that end go first (`finals_first`): their clients send the next
+request on them.
 
-Order: within a turn, the responses of requests that end go first (`finals_first`): their clients
-send the next request on them.
+Coalescing: each turn of the IO loop takes every engine message waiting, and `coalesce` merges each
+request's consecutive token items into one response (texts, token_ids and logprobs concatenated; the last
+item's is_end, tokens_all, finish_reason, usage win). At pace that is one response per request and step;
+when this thread falls behind, a request gets one response holding all its tokens so far, so the backlog
+is cleared in one go. Nothing is dropped or reordered; an error item ends its request after the tokens
+before it.
 
-Coalescing: each turn of the IO loop takes every engine message waiting, and
-`coalesce` merges each request's consecutive token items into one response
-(texts, token_ids and logprobs concatenated; the last item's is_end,
-tokens_all, finish_reason, usage win). At pace that is one response per
-request and step, as before; when this thread falls behind (a busy or briefly
-stopped stub, a burst of short steps), a request gets one response holding
-all its tokens so far instead of one per step, so the backlog is cleared in
-one go. Nothing is dropped or reordered; an error item ends its request after
-the tokens before it.
-
-Health: the engine server sends a heartbeat every HEARTBEAT_S from its loop,
-which never waits on a step (the engine core process runs them), with
-`stalled`: how long the core has had work without finishing a step. The
-requests in flight end with 500 ("the engine is not responding") when nothing
-at all arrived for CHECK_HEALTH_INTERVAL (the engine process is stopped or
-frozen), or when a heartbeat says a step has made no progress for longer than
-that (requests that arrive while it stays stuck fail at the next heartbeat). Their aborts are queued on
-the link: should the engine resume, it drops them instead of running them on
-for no one.
-
-If the engine process dies, its connection drops and every request in flight
-ends at once with an error response (code 500); while it is down new requests
-get 503. Cancelled gRPC streams abort their requests in the engine, and so do
-abort requests (ABORT_PARAM: the HTTP front end's requests share one stream,
-which it cannot cancel for one of them; the engine ends a request that another
-instance of this model owns at that instance). If this
-stub dies (or tritonserver, taking it along), the engine sees the link's
-connection close and aborts its requests by itself.
+Health: the engine server sends a heartbeat every HEARTBEAT_S from its loop (which never waits on a step)
+with `stalled`: how long the core has had work without finishing a step. The requests in flight end with
+500 ("the engine is not responding") when nothing arrived for CHECK_HEALTH_INTERVAL, or when a heartbeat
+says a step has made no progress for longer than that. Their aborts are queued on the link: should the
+engine resume, it drops them. If the engine process dies, every request in flight ends at once with a 500;
+while it is down new requests get 503. Cancelled gRPC streams abort their requests in the engine, and so
+do abort requests (ABORT_PARAM: the HTTP front end's requests share one stream; the engine ends a request
+that another instance of this model owns at that instance). If this stub dies (or tritonserver), the
+engine sees the link close and aborts its requests by itself.
 
 This module must stay light: it runs in the Triton stub, not in the engine.
 The per-response path is one json.dumps; nothing else is done per token.

@@ -95,7 +95,7 @@ class DecodeGraphs:
         self.static = torch.zeros(int(self.offsets[-1]), dtype=torch.int32, device=dev)
         self.staging = PinnedStaging(dev, int(self.offsets[-1]))
         self.ids, self.pos, self.slots, self.seq_lens, self.bt = self._views(self.static)
-        self.block_t = tile_tokens(model.num_heads, model.num_kv_heads, decode_only=True)
+        self.block_t = tile_tokens(model.local.num_attention_heads, model.local.num_key_value_heads, decode_only=True)
         i32 = dict(dtype=torch.int32, device=dev)
         # Per q: chunk offsets, and the work items (chunk, first query) of BLOCK_T queries each.
         self.cu_q, self.items = {}, {}
@@ -155,7 +155,7 @@ class DecodeGraphs:
     def _meta(self, bs: int, q: int) -> AttnMeta:
         tiles, seq, qstart = self.items[q]
         n = bs * tiles
-        splits = decode_splits(n, self.model.num_kv_heads, self.num_sms)
+        splits = decode_splits(n, self.model.local.num_key_value_heads, self.num_sms)
         return AttnMeta(
             self.cu_q[q][: bs + 1], self.seq_lens[:bs], self.bt[:bs], seq[:n], qstart[:n], self.block_t, splits
         )

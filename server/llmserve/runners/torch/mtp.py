@@ -6,10 +6,16 @@ i it takes the trunk's last hidden state h_i and the embedding of token t_{i+1} 
 
     x = eh_proj(cat(enorm(embed(t_{i+1})), hnorm(h_i)))      (embedding zeroed at position 0)
     y = shared_head.norm(decoder_layer(x))                   one layer, causal, RoPE at i
-    logits = lm_head(y)                                      the trunk's LM head
+    logits = lm_head(y)                                      shared_head.head, or the trunk's LM head
 
-Its K/V live in one more layer of the target's KV cache, at the same slots as the target's: the
-target's block tables, rollback and block lifetimes serve it unchanged. Two parts:
+The decoder layer is the model family's, built by the model (`load_head_layer`) and run as it runs its
+own (`layer`): a Llama / Qwen2 layer, or DeepSeek-V2/V3's (MLA, and the experts where the layer's index
+says: V3's MTP layer is a MoE layer). `embed_tokens` and `shared_head.head` under the module's prefix,
+where the checkpoint has them, are copies of the trunk's (DeepSeek-V3 shares them): the trunk's serve,
+unless a copy differs.
+
+Its K/V live in one more layer of the target's KV cache, at the same slots as the target's (MLA: one
+more latent row): the target's block tables, rollback and block lifetimes serve it unchanged. Two parts:
 
 - `MTPHead.extend`, after every target step (`MTPProposer.after_step`, whatever k) that may precede
   a speculating one (`StepBatch.proposer_state`; the draft-length rule says when): the module over
@@ -45,6 +51,7 @@ import json
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -53,14 +60,38 @@ import torch.nn.functional as F
 from llmserve.config import Config, ConfigError
 from llmserve.engine.request import Request
 from llmserve.engine.runner_contract import SeqChunk, StepBatch
+from llmserve.kernels.attention import AttnMeta
 from llmserve.kernels.norm import rms_norm
 from llmserve.layers.kv_cache import LayerKV
 from llmserve.layers.linear import Linear
-from llmserve.layers.quant.methods import load_linear
+from llmserve.layers.model_config import ModelConfig
+from llmserve.layers.parallel import TensorParallel
+from llmserve.layers.quant.methods import LinearMethod, load_linear
 from llmserve.layers.weights import WeightReader
-from llmserve.models.llama import DecoderModel, LayerWeights, load_layer
 from llmserve.runners.torch.head_proposer import HeadProposer, TargetStep
 from llmserve.runners.torch.inputs import FedChunk, StepInputs, host_arrays
+
+
+class TrunkModel(Protocol):
+    """What the head uses of the target's model (models/llama.py's DecoderModel, models/deepseek.py's)."""
+
+    cfg: ModelConfig
+    device: torch.device
+    dtype: torch.dtype
+    out_dtype: torch.dtype  # what its products write
+    method: LinearMethod
+    tp: TensorParallel
+    embed: torch.Tensor
+    lm_head: torch.Tensor
+
+    def load_head_layer(self, r: WeightReader, p: str) -> Any: ...
+
+    def layer(
+        self, lw: Any, x: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
+        meta: AttnMeta, kv: LayerKV,
+    ) -> torch.Tensor: ...  # fmt: skip
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass
@@ -68,8 +99,21 @@ class MTPWeights:
     enorm: torch.Tensor
     hnorm: torch.Tensor
     eh_proj: Linear  # 2 * hidden -> hidden: embedding half first
-    layer: LayerWeights
+    layer: Any  # the family's layer weights (TrunkModel.load_head_layer)
     norm: torch.Tensor  # shared_head.norm
+    embed: torch.Tensor  # the trunk's, or the module's own where it differs
+    lm_head: torch.Tensor  # likewise (shared_head.head)
+
+
+def own_copy(r: WeightReader, name: str, trunk: torch.Tensor) -> torch.Tensor:
+    """The module's copy `name` of a trunk tensor: the trunk's where it has none or an equal one (no second
+    copy in memory), else its own."""
+    if not r.has(name):
+        return trunk
+    t = r.get(name)
+    if t.shape != trunk.shape:
+        raise ConfigError(f"SPECULATE_METHOD=mtp: {name} has shape {tuple(t.shape)}, the model's {tuple(trunk.shape)}")
+    return trunk if torch.equal(t, trunk) else t
 
 
 def find_mtp(model_dir: str, config: Config, hidden_size: int) -> tuple[Path, str]:
@@ -107,7 +151,7 @@ def find_mtp(model_dir: str, config: Config, hidden_size: int) -> tuple[Path, st
 class MTPHead:
     """The module's weights, its forward over the KV cache's extra layer, and the kept outputs."""
 
-    def __init__(self, model: DecoderModel, model_dir: str, config: Config, upload) -> None:
+    def __init__(self, model: TrunkModel, model_dir: str, config: Config, upload) -> None:
         self.model = model
         self.upload = upload  # Uploader.upload: host int32 arrays to the device through pinned memory
         d, p = find_mtp(model_dir, config, model.cfg.hidden_size)
@@ -115,7 +159,8 @@ class MTPHead:
         method = model.method  # the module is quantized as the trunk is (a dense tensor stays dense)
         self.w = MTPWeights(
             r.get(p + "enorm.weight"), r.get(p + "hnorm.weight"), load_linear(method, r, (p + "eh_proj.", None)),
-            load_layer(r, p, method), r.get(p + "shared_head.norm.weight"),
+            model.load_head_layer(r, p), r.get(p + "shared_head.norm.weight"),
+            own_copy(r, p + "embed_tokens.weight", model.embed), own_copy(r, p + "shared_head.head.weight", model.lm_head),
         )  # fmt: skip
         # Each request's y at its last accepted position: row self.rows[req_id] of `state`.
         self.state = torch.zeros(0, model.cfg.hidden_size, dtype=model.dtype, device=model.device)
@@ -126,12 +171,18 @@ class MTPHead:
         """y [T, hidden] (after shared_head.norm) at positions `x.positions`, given the trunk's (or the
         chain's) hidden state there and the next token; writes the module's K/V into `kv`."""
         m, w, eps = self.model, self.w, self.model.cfg.rms_norm_eps
-        e = F.embedding(next_ids, m.embed) * (x.positions != 0)[:, None].to(m.dtype)
+        e = F.embedding(next_ids, w.embed) * (x.positions != 0)[:, None].to(m.dtype)
         cat = torch.cat([rms_norm(e, w.enorm, eps), rms_norm(hidden.to(m.dtype), w.hnorm, eps)], dim=-1)
         h = w.eh_proj(cat, m.out_dtype)
         residual = h.float()
         out = m.layer(w.layer, rms_norm(h, w.layer.in_norm, eps), residual, x.positions, x.slot_mapping, x.meta, kv)
         return m.tp.sum_norm(out, w.norm, eps, residual)
+
+    def logits(self, y: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] float32 of the module's outputs: the trunk's LM head, or the module's own."""
+        if self.w.lm_head is self.model.lm_head:
+            return self.model.logits(y)
+        return self.model.method.dense.apply({"weight": self.w.lm_head}, y, None, torch.float32)
 
     def _row(self, req_id: str) -> int:
         r = self.rows.get(req_id)
@@ -245,7 +296,7 @@ class MTPProposer(HeadProposer):
         ks = [len(c.draft_token_ids) for c in chunks]
         (rows,) = head.upload([np.fromiter((head.rows[c.request.req_id] for c in chunks), np.int64, len(chunks))])
         y = head.state[rows.long()]
-        tok = runner.model.logits(y).argmax(-1)
+        tok = head.logits(y).argmax(-1)
         drafts = [tok]
         kv = self.kv_layer(runner.kv_cache, runner.model)
         for s in range(1, max(ks)):
@@ -263,7 +314,7 @@ class MTPProposer(HeadProposer):
                 y_act = head.forward(tok[idx], y[idx], runner.prepare(StepBatch(fed), a), kv)
             y, tok = y.clone(), tok.clone()
             y[idx] = y_act
-            tok[idx] = runner.model.logits(y_act).argmax(-1)
+            tok[idx] = head.logits(y_act).argmax(-1)
             drafts.append(tok)
         got = torch.stack(drafts, dim=1).tolist()  # the one device sync
         for c, k, row in zip(chunks, ks, got):

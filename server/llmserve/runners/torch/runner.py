@@ -131,10 +131,12 @@ class TorchRunner(ModelRunner):
         self.num_kv_blocks = self._size_kv_cache()
         self.kv_cache = self.kv_spec.allocate(self.num_kv_blocks, self.device)
         self.graphs: DecodeGraphs | None = None
-        if cuda and config.cuda_graphs and kernels.ref:  # the torch reference ops sync with the host
-            log.info("decode steps run eagerly: the ref kernel switch's ops cannot be captured as CUDA graphs")
+        drafts = config.speculate_max_draft_tokens if config.speculate_method != "none" else 0
+        # the ref switch's torch ops, or a family's torch paths (graph_blocker), wait on the host
+        why = "the ref kernel switch's ops" if kernels.ref else self.model.graph_blocker(self.kv_cache, drafts + 1)
+        if cuda and config.cuda_graphs and why:
+            log.info("decode steps run eagerly: %s cannot be captured as CUDA graphs", why)
         elif cuda and config.cuda_graphs:
-            drafts = config.speculate_max_draft_tokens if config.speculate_method != "none" else 0
             self.graphs = DecodeGraphs(
                 self.model, self.kv_cache, min(self.max_batch, 512), self.max_blocks_per_seq, self.num_sms, drafts,
                 self.head,
