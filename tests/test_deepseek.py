@@ -252,8 +252,9 @@ def test_unsupported_field_refused_by_name(version, field, value):
 def test_settings_refused_by_name(tmp_path):
     path = write_random_deepseek(tmp_path, "v2")
     mc = ModelConfig.from_file(path / "config.json")
-    with pytest.raises(ConfigError, match="MP_NUM=2"):
-        check_shardable(mc, 2)
+    with pytest.raises(ConfigError, match="MP_NUM=5: .*num_attention_heads=4.*moe_intermediate_size=24"):
+        check_shardable(mc, 5)
+    check_shardable(mc, 4)  # heads, features and every expert's split 4 ways (test_tensor_parallel.py)
     with pytest.raises(ConfigError, match="SPECULATE_METHOD=mtp: .* has no MTP module"):
         make_runner(path, block_bs=4, speculate_method="mtp")  # the tiny V2 writes no MTP layer
     with pytest.raises(ValueError, match="KV_CACHE_DTYPE=int8"):

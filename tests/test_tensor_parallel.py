@@ -102,6 +102,28 @@ def test_greedy_tokens_match_one_rank(arch, mps, extra, llama_dir, qwen2_dir, fr
         assert got == want, f"MP_NUM={mp} {extra}"
 
 
+@pytest.fixture(scope="module", params=["v3", "v2"])
+def deepseek_dir(tmp_path_factory, llama_dir, request):
+    from llmserve.models.random_model import write_random_deepseek
+
+    path = tmp_path_factory.mktemp(f"tp-deepseek-{request.param}")
+    write_random_deepseek(path, request.param, seed=new_seed(request))  # vocabulary 256, MLA + experts
+    for f in llama_dir.glob("tokenizer*"):
+        (path / f.name).write_bytes(f.read_bytes())
+    return path
+
+
+def test_deepseek_greedy_tokens_match_one_rank(deepseek_dir, fresh_seed):
+    """MLA's heads and every expert's intermediate features split over the ranks (models/deepseek.py), with a
+    prefix-cache hit and chunked prefill."""
+    prompts = prompts_for(256, seed=fresh_seed)
+    extra = {"max_num_batched_tokens": 48}
+    want = [r.token_ids for r in generate(deepseek_dir, 1, prompts, GREEDY, **extra)]
+    for mp in (2, 4):
+        got = [r.token_ids for r in generate(deepseek_dir, mp, prompts, GREEDY, **extra)]
+        assert got == want, f"MP_NUM={mp}"
+
+
 def rank_quantized_copy(src, dst, quantize, dequantize, ranks: int):
     """A copy of checkpoint `src` whose projections hold their quantized-then-dequantized weights as MP_NUM=`ranks`
     quantizes them at load: per output channel over each rank's inputs, so the row-parallel o_proj and down_proj

@@ -32,6 +32,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from llmserve.kernels import use_triton
 from llmserve.kernels.attention import AttnMeta
@@ -67,24 +69,31 @@ class MLAWeights:
     o: Linear
 
 
-def load_mla(r: WeightReader, p: str, method: LinearMethod, cfg: MLAConfig, num_heads: int) -> MLAWeights:
-    """One layer's attention weights under `p` (e.g. "model.layers.3.self_attn.")."""
+def load_mla(
+    r: WeightReader, p: str, method: LinearMethod, cfg: MLAConfig, num_heads: int, heads: tuple[int, int] | None = None
+) -> MLAWeights:
+    """One layer's attention weights under `p` (e.g. "model.layers.3.self_attn."); `heads`: only the query heads
+    [first, last) of the `num_heads` (a tensor-parallel rank's: its rows of q and kv_b, its columns of o; the
+    latent projections are every rank's, and o's output a partial sum)."""
     lora = cfg.q_lora_rank is not None
     a = [(p + "q_a_proj.", None)] if lora else []
+    h0, h1 = heads or (0, num_heads)
+    q_rows = (0, h0 * cfg.qk_head_dim, h1 * cfg.qk_head_dim) if heads else None
+    o_cols = (1, h0 * cfg.v_head_dim, h1 * cfg.v_head_dim) if heads else None
     kv_b = load_linear(method, r, (p + "kv_b_proj.", None))
     if kv_b.bias is not None or kv_b.parts is not None:
         raise ValueError(f"{p}kv_b_proj: a bias or a split projection cannot be absorbed")
     like = r.get(p + "kv_a_layernorm.weight")
     w = dense_weight(kv_b, cfg.kv_lora_rank, like).to(like.dtype)
-    w = w.view(num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+    w = w.view(num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)[h0:h1]
     return MLAWeights(
         q_a_kv_a=load_linear(method, r, *a, (p + "kv_a_proj_with_mqa.", None)),
         q_a_norm=r.get(p + "q_a_layernorm.weight") if lora else None,
-        q=load_linear(method, r, (p + ("q_b_proj." if lora else "q_proj."), None)),
+        q=load_linear(method, r, (p + ("q_b_proj." if lora else "q_proj."), q_rows)),
         kv_a_norm=like,
         w_uk=w[:, : cfg.qk_nope_head_dim].contiguous(),
         w_uv=w[:, cfg.qk_nope_head_dim :].contiguous(),
-        o=load_linear(method, r, (p + "o_proj.", None)),
+        o=load_linear(method, r, (p + "o_proj.", o_cols)),
     )
 
 
@@ -129,6 +138,30 @@ def expanded_attention(
     return torch.einsum("htk,khv->thv", s.softmax(-1), v)
 
 
+def expanded_fused(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    rows: torch.Tensor,
+    w_uk: torch.Tensor,
+    w_uv: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """`expanded_attention` of a chunk that ends its context, through torch's fused attention (flash or
+    memory-efficient on CUDA) in rows' dtype: no [H, q, kv] scores in memory. The values are zero-padded
+    to the keys' width (the fused kernels take one head width) -> [q, H, v_head] float32."""
+    dt, H, L = rows.dtype, w_uk.shape[0], w_uk.shape[-1]
+    lat, k_rope = rows[:, :L], rows[:, L:]
+    k = torch.cat([torch.einsum("kl,hnl->hkn", lat, w_uk.to(dt)), k_rope[None].expand(H, -1, -1)], dim=-1)
+    v = torch.einsum("kl,hvl->hkv", lat, w_uv.to(dt))
+    dv = v.shape[-1]
+    assert dv <= k.shape[-1], "values wider than keys"
+    v = F.pad(v, (0, k.shape[-1] - dv))
+    q = torch.cat([q_nope, q_rope], dim=-1).transpose(0, 1).to(dt)
+    mask = causal_lower_right(q.shape[1], k.shape[1])  # query i sits at kv_len - q + i
+    o = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, scale=scale)
+    return o[0, :, :, :dv].transpose(0, 1).float()
+
+
 def chunk_attention(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
@@ -147,7 +180,10 @@ def chunk_attention(
     absorbed up to `absorb_max_q` queries, expanded beyond (w_uk, w_uv in float32)."""
     bs, L = cache.shape[2], w_uk.shape[-1]
     pos = torch.arange(kv_len, device=cache.device)
-    rows = cache[meta.block_tables[b, pos // bs].long(), 0, pos % bs].float()  # [kv_len, L + R]
+    rows = cache[meta.block_tables[b, pos // bs].long(), 0, pos % bs]  # [kv_len, L + R]
+    if q1 - q0 > absorb_max_q and use_triton(cache):  # CUDA's fused attention (the ref switch: the einsums)
+        return expanded_fused(q_nope[q0:q1], q_rope[q0:q1], rows, w_uk, w_uv, scale)
+    rows = rows.float()
     q_pos = torch.arange(kv_len - (q1 - q0), kv_len, device=cache.device)
     qn, qr = q_nope[q0:q1].float(), q_rope[q0:q1].float()
     if q1 - q0 > absorb_max_q:

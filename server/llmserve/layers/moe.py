@@ -61,9 +61,11 @@ class MLP:
     down: Linear
 
     @classmethod
-    def load(cls, r: WeightReader, p: str, method: LinearMethod) -> MLP:
-        gate_up = load_linear(method, r, (p + "gate_proj.", None), (p + "up_proj.", None))
-        return cls(gate_up, load_linear(method, r, (p + "down_proj.", None)))
+    def load(cls, r: WeightReader, p: str, method: LinearMethod, rows: tuple[int, int] | None = None) -> MLP:
+        """`rows`: only these intermediate features (a tensor-parallel rank's: gate/up's rows, down's columns)."""
+        col, row = ((0, *rows), (1, *rows)) if rows is not None else (None, None)
+        gate_up = load_linear(method, r, (p + "gate_proj.", col), (p + "up_proj.", col))
+        return cls(gate_up, load_linear(method, r, (p + "down_proj.", row)))
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         return self.down(swiglu(self.gate_up(x, torch.float32), x.dtype), out_dtype)
@@ -129,14 +131,21 @@ class MoE:
     stacked: Stacked | None = None  # set by load (stack_experts): the fused path's weights
 
     @classmethod
-    def load(cls, r: WeightReader, p: str, method: LinearMethod, cfg: MoEConfig) -> MoE:
+    def load(cls, r: WeightReader, p: str, method: LinearMethod, cfg: MoEConfig, rank: int = 0, ranks: int = 1) -> MoE:
         """The experts of the layer whose MLP is under `p` (e.g. "model.layers.3.mlp."), named as DeepSeek's
-        and transformers' checkpoints name them (experts.{e}.gate_proj...)."""
+        and transformers' checkpoints name them (experts.{e}.gate_proj...). Of `ranks` tensor-parallel ranks,
+        `rank` holds 1/ranks of every expert's intermediate features (its output is a partial sum)."""
+
+        def rows(width: int) -> tuple[int, int] | None:
+            return None if ranks == 1 else (rank * width // ranks, (rank + 1) * width // ranks)
+
         if r.has(p + "experts.gate_up_proj"):
             raise ValueError(f"{p}experts.gate_up_proj: fused expert tensors; expected experts.{{e}}.gate_proj etc.")
         bias = r.raw(p + "gate.e_score_correction_bias").float() if cfg.topk_method == "noaux_tc" else None
-        experts = [MLP.load(r, f"{p}experts.{e}.", method) for e in range(cfg.n_routed_experts)]
-        shared = MLP.load(r, p + "shared_experts.", method) if cfg.n_shared_experts else None
+        inter = cfg.moe_intermediate_size
+        experts = [MLP.load(r, f"{p}experts.{e}.", method, rows(inter)) for e in range(cfg.n_routed_experts)]
+        shared_inter = inter * cfg.n_shared_experts
+        shared = MLP.load(r, p + "shared_experts.", method, rows(shared_inter)) if cfg.n_shared_experts else None
         return cls(cfg, r.raw(p + "gate.weight").float(), bias, experts, shared, stack_experts(experts))
 
     def __call__(self, x: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:

@@ -25,6 +25,7 @@ from llmserve.layers.model_config import ModelConfig
 if TYPE_CHECKING:
     from llmserve.kernels.sum_norm import Pushed
     from llmserve.layers.linear import Linear
+    from llmserve.layers.weights import WeightReader
 
 _all_gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)  # the new name (torch 2.12+)
 
@@ -193,16 +194,16 @@ def check_shardable(mc: ModelConfig, n: int) -> None:
     """ConfigError naming MP_NUM and the model's numbers when its heads or MLP do not split n ways."""
     if n == 1:
         return
-    if mc.mla is not None:
-        raise ConfigError(f"MP_NUM={n}: {mc.architecture} (MLA and experts) runs on one rank for now")
     bad = []
     if mc.num_attention_heads % n:
         bad.append(f"num_attention_heads={mc.num_attention_heads}")
     kvh = mc.num_key_value_heads
-    if kvh % n and n % kvh:
+    if mc.mla is None and kvh % n and n % kvh:
         bad.append(f"num_key_value_heads={kvh} (must divide MP_NUM or be a multiple of it)")
     if mc.intermediate_size % n:
         bad.append(f"intermediate_size={mc.intermediate_size}")
+    if mc.moe is not None and mc.moe.moe_intermediate_size % n:
+        bad.append(f"moe_intermediate_size={mc.moe.moe_intermediate_size}")
     if bad:
         raise ConfigError(f"MP_NUM={n}: the model cannot be split {n} ways: {', '.join(bad)} not divisible by {n}")
 
@@ -236,9 +237,15 @@ class Shard:
         count = max(1, kvh // n)
         return first * d, (first + count) * d
 
-    def mlp_rows(self) -> tuple[int, int]:
-        i = self.mc.intermediate_size // self.tp.size
+    def mlp_rows(self, intermediate: int | None = None) -> tuple[int, int]:
+        """This rank's intermediate features of an MLP (default: the dense one's; an expert's: its own)."""
+        i = (intermediate or self.mc.intermediate_size) // self.tp.size
         return self.tp.rank * i, (self.tp.rank + 1) * i
+
+    def heads(self) -> tuple[int, int]:
+        """This rank's query heads [first, last) (MLA: each rank attends with its heads over the whole latent)."""
+        h = self.mc.num_attention_heads // self.tp.size
+        return self.tp.rank * h, (self.tp.rank + 1) * h
 
     def vocab_rows(self) -> tuple[int, int]:
         """Rows of the embedding / LM head: ceil(V / N) per rank, the last rank's padded by the model."""
@@ -248,6 +255,23 @@ class Shard:
     @property
     def vocab_per_rank(self) -> int:
         return -(-self.mc.vocab_size // self.tp.size)
+
+
+def vocab_rows(r: WeightReader, name: str, shard: Shard) -> torch.Tensor:
+    """The embedding / LM head rows this rank holds, zero-padded to ceil(V / N)."""
+    if shard.tp.size == 1:
+        return r.get(name)
+    lo, hi = shard.vocab_rows()
+    t = r.get(name, (0, lo, hi))
+    pad = shard.vocab_per_rank - t.shape[0]
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+def gather_logits(local: torch.Tensor, shard: Shard) -> torch.Tensor:
+    """Each rank's scores of its vocabulary rows [T, V / N] -> every row's [T, V]."""
+    if shard.tp.size == 1:
+        return local
+    return shard.tp.all_gather_cols(local)[:, : shard.mc.vocab_size]
 
 
 def embed(ids: torch.Tensor, table: torch.Tensor, shard: Shard) -> torch.Tensor:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from llmserve.kernels import switches
 from llmserve.kernels.activation import swiglu
@@ -29,7 +28,7 @@ from llmserve.kernels.skinny import skinny
 from llmserve.layers.kv_cache import KVCache, LayerKV
 from llmserve.layers.linear import Linear
 from llmserve.layers.model_config import ModelConfig
-from llmserve.layers.parallel import SINGLE, Shard, TensorParallel, embed
+from llmserve.layers.parallel import SINGLE, Shard, TensorParallel, embed, gather_logits, vocab_rows
 from llmserve.layers.quant.methods import LinearMethod, load_linear
 from llmserve.layers.weights import WeightReader
 
@@ -127,11 +126,11 @@ class DecoderModel:
         self.method = method or LinearMethod(dtype)
         r = WeightReader(Path(model_dir), device, dtype)
         shard = self.shard if tp.size > 1 else None
-        self.embed = self._vocab_rows(r, "model.embed_tokens.weight")
+        self.embed = vocab_rows(r, "model.embed_tokens.weight", self.shard)
         self.layers = [load_layer(r, f"model.layers.{i}.", self.method, shard) for i in range(cfg.num_hidden_layers)]
         self.norm = r.get("model.norm.weight")
         tied = cfg.tie_word_embeddings or not r.has("lm_head.weight")
-        self.lm_head = self.embed if tied else self._vocab_rows(r, "lm_head.weight")
+        self.lm_head = self.embed if tied else vocab_rows(r, "lm_head.weight", self.shard)
         self.cos_sin = rope_cos_sin(cfg.inv_freq(), max_positions, device)
         # bf16 on CUDA: cuBLAS writes every projection in fp32 (torch.mm's out_dtype), so an
         # activation is rounded to bf16 only where a matrix product or the KV cache needs it. Each
@@ -145,15 +144,6 @@ class DecoderModel:
         """A head proposer's decoder layer under `p` (runners/torch/mtp.py: the MTP module's), quantized as the
         trunk is; run by `layer` (one rank: MTP refuses MP_NUM > 1)."""
         return load_layer(r, p, self.method)
-
-    def _vocab_rows(self, r: WeightReader, name: str) -> torch.Tensor:
-        """The embedding / LM head rows this rank holds, zero-padded to ceil(V / N) (parallel.py)."""
-        if self.tp.size == 1:
-            return r.get(name)
-        lo, hi = self.shard.vocab_rows()
-        t = r.get(name, (0, lo, hi))
-        pad = self.shard.vocab_per_rank - t.shape[0]
-        return F.pad(t, (0, 0, 0, pad)) if pad else t
 
     @property
     def weight_bytes(self) -> int:
@@ -304,7 +294,4 @@ class DecoderModel:
         """With `wide`, written in fp32 instead of rounded to bf16. With several ranks, each
         scores its rows of the vocabulary and an all-gather joins them."""
         # An unquantized product like any layer's (one row on the GEMV, 2-16 on the skinny kernel, else cuBLAS)
-        out = self.method.dense.apply({"weight": self.lm_head}, hidden, None, torch.float32)
-        if self.tp.size == 1:
-            return out
-        return self.tp.all_gather_cols(out)[:, : self.cfg.vocab_size]
+        return gather_logits(self.method.dense.apply({"weight": self.lm_head}, hidden, None, torch.float32), self.shard)
