@@ -37,12 +37,12 @@ def add_random_mtp(src, dst, seed: int) -> str:
     from safetensors.torch import save_file
     from transformers import LlamaForCausalLM
 
-    from llmserve.train.mtp import MTPLayer, checkpoint_tensors
+    from llmserve.train.mtp import checkpoint_tensors, mtp_layer
 
     shutil.copytree(src, dst)
     trunk = LlamaForCausalLM.from_pretrained(dst, attn_implementation="sdpa")
     torch.manual_seed(seed)
-    mtp = MTPLayer(trunk.config)
+    mtp = mtp_layer(trunk.config)
     with torch.no_grad():  # norms away from 1, so that a swapped norm would show
         for p in mtp.parameters():
             if p.dim() == 1:

@@ -280,18 +280,27 @@ def test_presets_meet_their_budgets():
     """Parameter counts from a model built on the meta device; the issue's size rules."""
     counts = {}
     for name, p in PRESETS.items():
-        from llmserve.train.checkpoint import llama_config
+        from llmserve.train.checkpoint import causal_lm, model_config
+        from llmserve.train.mtp import mtp_layer
 
         with torch.device("meta"):
-            model = transformers.LlamaForCausalLM(llama_config(p, p.vocab_size, 0, (1, 3), mtp=False))
+            config = model_config(p, p.vocab_size, 0, (1, 3), mtp=True)
+            model, mtp = causal_lm(config), mtp_layer(config)
         counts[name] = sum(t.numel() for t in model.parameters())
         assert counts[name] == p.num_params(), name
+        assert sum(t.numel() for t in mtp.parameters()) == p.mtp_params(), name
     assert counts["demo-cpu"] * 4 < 10 * 2**20  # float32 safetensors under 10 MB
     demo = PRESETS["demo"]  # issue 45's demo: bf16 trunk + MTP module (no copies) + tokenizer <= 24 MB
     assert (counts["demo"] + demo.mtp_params()) * 2 + 600_000 <= 24e6 and demo.save_dtype == "bfloat16"
     assert 50e6 <= counts["target"] <= 150e6
     assert counts["draft"] * 8 <= counts["target"]
     assert math.isclose(PRESETS["target"].head_dim, 64)
+    # the DeepSeek target: its active parameters (dense parts + 4 routed and 1 shared expert a token) near the
+    # Llama target's, so that both train in the same budget
+    ds = PRESETS["target-deepseek"]
+    expert = 3 * ds.hidden_size * ds.deepseek.moe_intermediate_size
+    idle = (ds.num_hidden_layers - 1) * (ds.deepseek.n_routed_experts - ds.deepseek.num_experts_per_tok) * expert
+    assert 0.5 <= (counts["target-deepseek"] - idle) / counts["target"] <= 1.5
 
 
 def test_held_out_checks_keep_the_best_weights_and_stop_early(trained, tmp_path):

@@ -43,6 +43,8 @@ def check_options(opts, preset: Preset) -> None:
     if opts.init_from is None:
         return
     src = Path(opts.init_from)
+    if preset.deepseek is not None:
+        raise ValueError(f"--init-from: preset {preset.name} is a DeepSeek model; --init-from takes Llama trunks")
     if not opts.mtp:
         raise ValueError("--init-from trains only an MTP module on the frozen model: give --mtp too")
     if opts.tokenizer is not None or opts.tokenizer_only:

@@ -8,12 +8,12 @@ import math
 import numpy as np
 import torch
 import torch.nn.functional as F
-from transformers import LlamaForCausalLM
+from transformers import PreTrainedModel
 
 from llmserve.train.mtp import MTPLayer
 
 
-def forward(model: LlamaForCausalLM, mtp: MTPLayer | None, x: torch.Tensor, autocast: bool, frozen: bool = False):
+def forward(model: PreTrainedModel, mtp: MTPLayer | None, x: torch.Tensor, autocast: bool, frozen: bool = False):
     """(trunk logits [B, S, V] float32, MTP logits [B, S-1, V] float32 or None); `frozen`: no trunk
     logits (None) and no autograd graph through the trunk."""
     with torch.autocast(x.device.type, dtype=torch.bfloat16, enabled=autocast):

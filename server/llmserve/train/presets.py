@@ -1,6 +1,7 @@
 """Model shapes and training settings of the reference models (docs/models.md).
 
-All are Llama decoders (GQA, RoPE, RMSNorm, SwiGLU) over one tokenizer. A preset trains for
+Llama decoders (GQA, RoPE, RMSNorm, SwiGLU), and DeepSeek-V3 ones (`deepseek`: MLA and experts), over one
+tokenizer. A preset trains for
 `max_steps` steps (a reproducible schedule) or, when it has none, for as many steps as fit in
 `max_seconds` (measured on the first steps); `max_seconds` also caps a step-count run.
 """
@@ -8,6 +9,38 @@ All are Llama decoders (GQA, RoPE, RMSNorm, SwiGLU) over one tokenizer. A preset
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DeepSeekShape:
+    """A DeepSeek-V3 decoder's attention (MLA) and experts (deepseek_config.py reads the same fields)."""
+
+    kv_lora_rank: int
+    q_lora_rank: int | None
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    n_routed_experts: int
+    n_shared_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    first_k_dense_replace: int = 1
+    n_group: int = 1
+    topk_group: int = 1
+    routed_scaling_factor: float = 1.0
+    # DeepSeek-V3's auxiliary-loss-free balancing: after each step every expert's score-correction bias moves by
+    # this much towards the mean load (down when the expert took more than its share, up when less).
+    bias_update_speed: float = 1e-3
+
+    def attention_params(self, h: int, heads: int) -> int:
+        qk, r = self.qk_nope_head_dim + self.qk_rope_head_dim, self.kv_lora_rank
+        q = h * heads * qk if self.q_lora_rank is None else h * self.q_lora_rank + self.q_lora_rank * (1 + heads * qk)
+        kv = h * (r + self.qk_rope_head_dim) + r + r * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return q + kv + heads * self.v_head_dim * h
+
+    def moe_params(self, h: int) -> int:
+        experts = (self.n_routed_experts + self.n_shared_experts) * 3 * h * self.moe_intermediate_size
+        return experts + self.n_routed_experts * h  # + the router
 
 
 @dataclass(frozen=True)
@@ -38,26 +71,32 @@ class Preset:
     chat_every: int = 0  # every Nth training file also as a ChatML exchange (corpus.py); 0: none
     # Written into generation_config.json: the decoding default where a request sets none (None: no default).
     repetition_penalty: float | None = None
+    deepseek: DeepSeekShape | None = None  # a DeepSeek-V3 model (MLA + experts) instead of Llama
 
     @property
     def head_dim(self) -> int:
         return self.hidden_size // self.num_attention_heads
 
-    def layer_params(self) -> int:
-        h, kv = self.hidden_size, self.num_key_value_heads * self.head_dim
-        attn = 2 * h * h + 2 * h * kv  # q, o; k, v
-        return attn + 3 * h * self.intermediate_size + 2 * h  # + gate, up, down + two norms
+    def layer_params(self, i: int = 0) -> int:
+        """Layer i's parameters (DeepSeek: dense MLPs before first_k_dense_replace, experts after)."""
+        h, ds = self.hidden_size, self.deepseek
+        if ds is None:
+            kv = self.num_key_value_heads * self.head_dim
+            attn = 2 * h * h + 2 * h * kv  # q, o; k, v
+            return attn + 3 * h * self.intermediate_size + 2 * h  # + gate, up, down + two norms
+        mlp = 3 * h * self.intermediate_size if i < ds.first_k_dense_replace else ds.moe_params(h)
+        return ds.attention_params(h, self.num_attention_heads) + mlp + 2 * h
 
     def num_params(self, vocab_size: int | None = None) -> int:
         """Parameters of the model (without an MTP module)."""
         v = vocab_size or self.vocab_size
         embeddings = v * self.hidden_size * (1 if self.tie_word_embeddings else 2)
-        return embeddings + self.num_hidden_layers * self.layer_params() + self.hidden_size
+        return embeddings + sum(self.layer_params(i) for i in range(self.num_hidden_layers)) + self.hidden_size
 
     def mtp_params(self) -> int:
-        """An MTP module's own parameters: enorm, hnorm, eh_proj, one layer, shared_head.norm."""
+        """An MTP module's own parameters: enorm, hnorm, eh_proj, one layer (layer N's), shared_head.norm."""
         h = self.hidden_size
-        return 3 * h + 2 * h * h + self.layer_params()
+        return 3 * h + 2 * h * h + self.layer_params(self.num_hidden_layers)
 
 
 PRESETS: dict[str, Preset] = {
@@ -85,5 +124,17 @@ PRESETS: dict[str, Preset] = {
         # The target: the largest model that trains in 4 minutes on one H100 / H200.
         Preset("target", 768, 2048, 12, 12, 4, False, seq_len=1024, batch_size=32, lr=1e-3, warmup_steps=100,
                max_steps=None, max_seconds=240, eval_windows=256),
+        # DeepSeek-V3's family in miniature (tests: seconds on one CPU core): q LoRA, MLA, a dense first layer,
+        # then 8 experts top-2 in 2 groups + a shared one; with --mtp its MTP layer is a MoE layer too.
+        Preset("tiny-deepseek", 64, 128, 2, 4, 4, True, seq_len=64, batch_size=8, lr=3e-3, warmup_steps=5,
+               max_steps=30, max_seconds=None, eval_windows=16, vocab_size=384, max_position_embeddings=512,
+               deepseek=DeepSeekShape(32, 48, 16, 8, 16, 8, 1, 2, 32, n_group=2, topk_group=1,
+                                      routed_scaling_factor=2.5, bias_update_speed=1e-2)),
+        # Its reference model on the GPU, the target's budget: 12 layers of MLA (kv_lora 256) and 32 experts
+        # top-4 + 1 shared (4 groups, 2 kept), layer 0 dense.
+        Preset("target-deepseek", 768, 2048, 12, 12, 12, False, seq_len=1024, batch_size=32, lr=1e-3,
+               warmup_steps=100, max_steps=None, max_seconds=240, eval_windows=256,
+               deepseek=DeepSeekShape(256, 384, 64, 32, 64, 32, 1, 4, 384, n_group=4, topk_group=2,
+                                      routed_scaling_factor=2.5)),
     )
 }  # fmt: skip

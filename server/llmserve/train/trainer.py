@@ -1,4 +1,4 @@
-"""The training loop: transformers' LlamaForCausalLM on the stdlib corpus, CPU or CUDA, same code.
+"""The training loop: transformers' LlamaForCausalLM (or DeepseekV3ForCausalLM) on the stdlib corpus, CPU or CUDA.
 
 Each step takes `batch_size` random windows of `seq_len + 1` tokens from the training stream
 (start offsets drawn from a torch.Generator seeded with `seed`), AdamW (betas 0.9/0.95, weight
@@ -28,13 +28,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from tokenizers import Tokenizer
-from transformers import LlamaForCausalLM
 
 from llmserve.train import attach
-from llmserve.train.checkpoint import llama_config, save_checkpoint
+from llmserve.train.balance import ExpertBalance
+from llmserve.train.checkpoint import causal_lm, model_config, save_checkpoint
 from llmserve.train.corpus import load_corpus, token_streams
 from llmserve.train.evaluate import evaluate, forward
-from llmserve.train.mtp import MTPLayer
+from llmserve.train.mtp import mtp_layer
 from llmserve.train.presets import PRESETS, Preset
 from llmserve.train.tokenizer import build_tokenizer, copy_tokenizer, save_tokenizer, special_ids
 
@@ -150,14 +150,16 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
     if frozen:
         config = attach.source_config(src, tok.get_vocab_size())
     else:
-        config = llama_config(preset, tok.get_vocab_size(), bos, eos, opts.mtp)
+        config = model_config(preset, tok.get_vocab_size(), bos, eos, opts.mtp)
     torch.manual_seed(opts.seed)
-    model = LlamaForCausalLM(config).float()  # float32 master weights, whatever dtype DIR's config names
+    model = causal_lm(config).float()  # float32 master weights, whatever dtype DIR's config names
     if frozen:
         trunk = attach.trunk_tensors(src, config.num_hidden_layers)
         attach.load_frozen_trunk(model, trunk)
     model.to(device)
-    mtp = MTPLayer(config).float().to(device) if opts.mtp else None
+    mtp = mtp_layer(config).float().to(device) if opts.mtp else None
+    ds = preset.deepseek
+    balance = ExpertBalance([model, *([mtp] if mtp else [])], ds.bias_update_speed) if ds is not None else None
     params = [] if frozen else list(model.parameters())
     params += list(mtp.parameters()) if mtp is not None else []
     groups = [
@@ -227,6 +229,8 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
         total_loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
+        if balance is not None:
+            balance.update()
         step += 1
         if total is None and step in (calib_from, calib_to):
             if cuda:
@@ -295,6 +299,8 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
             for p in [*(() if frozen else model.parameters()), *(mtp.parameters() if mtp is not None else ())]:
                 p.copy_(p.to(getattr(torch, preset.save_dtype)).float())
     t1 = time.perf_counter()
+    if balance is not None:  # the loads of the held-out pass below
+        balance.reset_totals()
     ev = evaluate(model, mtp, streams["heldout"], S, preset.eval_windows, max(1, B // 2), cuda)
     eval_seconds = time.perf_counter() - t1
     if frozen:
@@ -323,6 +329,8 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
         "seed": opts.seed,
         "mtp": opts.mtp,
         "corpus": corpus_stats,
+        # per MoE router (the trunk's layers, then the MTP layer's), over the held-out pass
+        "expert_load": balance.report() if balance is not None else None,
         "versions": {"python": platform.python_version(), "torch": torch.__version__, **_versions()},
         **ev,
     }
@@ -334,6 +342,8 @@ def _run(opts, preset: Preset, device, threads, tok, streams, corpus_stats) -> d
     line += f"{step} steps, {train_seconds:.0f} s on {device})"
     if mtp is not None:
         line += f"; MTP (token after next) perplexity {ev['mtp_heldout_ppl']:.3f}, top-1 {ev['mtp_top1']:.3f}"
+    if balance is not None:
+        line += f"; busiest expert {max(r.get('max_over_mean', 0) for r in metrics['expert_load']):.2f}x the mean load"
     print(line, flush=True)
     return metrics
 

@@ -181,6 +181,11 @@ def export_hf(hf_dir: str | Path, out_dir: str | Path, mp: int = 1) -> Path:
     raw = json.loads((src / "config.json").read_text())
     _check_supported(raw)
     cfg = ModelConfig.from_dict(raw)
+    if cfg.mla is not None:  # the static graph holds Llama's GQA attention and dense MLP only
+        raise ValueError(
+            f"{cfg.architecture}: the Paddle static-graph exporter does not express MLA attention or mixture-of-"
+            "experts layers; serve this model with the torch runner (LLMSERVE_RUNNER=torch)"
+        )
     check_mp(cfg, mp)  # before reading the weights
     export_weights(cfg, load_hf_weights(src, cfg), out, mp)
     for f in src.iterdir():
