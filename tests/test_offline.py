@@ -100,8 +100,8 @@ def test_the_default_demo_is_the_trained_code_model(tmp_path):
     # The preset that trained it (named demo-next then; its decoding default came after, in generation_config.json).
     recipe = dataclasses.asdict(PRESETS["demo"])
     assert {k: v for k, v in metrics["preset"].items() if k != "name"} == {
-        k: v for k, v in recipe.items() if k not in ("name", "repetition_penalty")
-    }
+        k: v for k, v in recipe.items() if k not in ("name", "repetition_penalty", "deepseek")
+    }  # deepseek: a field added later (None: a Llama model)
     # Its held-out perplexity, measured here (not the number its training recorded): the held-out files of this
     # Python's standard library (the training split's, by file), 32 windows of 256 tokens. Trained: 8.3 when it was
     # made (1024-token windows); a random model of its shape is near its vocabulary size.
