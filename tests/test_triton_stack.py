@@ -421,9 +421,12 @@ def test_engine_kill_fails_in_flight_and_restarts(stack, client):
         assert msgs[-1]["error_code"] == 500, msgs[-1]
     assert time.monotonic() - t0 < 5
     status, body = stack.ready()
-    assert status == 500 and json.loads(body)["error_code"] in (1, 2), body
-    (down,) = collect(client.submit(probe))  # nothing hangs while it is down
-    assert down["error_code"] == 503
+    if status == 200:  # back already: on a loaded machine the seconds above can hold the restart (1 s) and the load
+        assert "engine exited (code -9): restarting" in (stack.log_dir / "server.log").read_text(), stack.logs()
+    else:
+        assert status == 500 and json.loads(body)["error_code"] in (1, 2), body
+        msgs = collect(client.submit(probe))  # nothing hangs while it is down
+        assert msgs[-1]["error_code"] in (503, 0), msgs[-1]  # 0: it came back in between
     stack.wait_ready(120)
     got = collect(client.submit(probe))
     assert [t for m in got for t in m["token_ids"]] == expect
