@@ -105,3 +105,12 @@ def test_the_paddle_exporter_refuses_the_family(trained, tmp_path):
 
     with pytest.raises(ValueError, match="deepseek_v3: the Paddle static-graph exporter does not express MLA"):
         export_hf(trained[0], tmp_path / "paddle")
+
+
+def test_the_whole_stack_serves_it_with_mtp(trained, tmp_path):
+    """Triton + the HTTP front end on the trained tiny DeepSeek with its MTP layer speculating: OpenAI, native HTTP
+    and Triton gRPC give the offline engine's greedy completions (tests/test_speculative.py)."""
+    from test_speculative import check_stack_serves_speculating
+
+    out = str(trained[0])
+    check_stack_serves_speculating(tmp_path, out, MODEL_DIR=out, LLMSERVE_DEVICE="cpu", SPECULATE_METHOD="mtp")
