@@ -26,6 +26,11 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 LINEAR = re.compile(r"^(model\.layers\.\d+\.)(self_attn\.[qkvo]_proj|mlp\.(?:gate|up|down)_proj)\.weight$")
+# DeepSeek-V3's FP8 checkpoints quantize every projection of MLA and of every expert (not the routers)
+DEEPSEEK_LINEAR = re.compile(
+    r"^(model\.layers\.\d+\.)(self_attn\.(?:q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+    r"|mlp\.(?:experts\.\d+\.|shared_experts\.)?(?:gate|up|down)_proj)\.weight$"
+)
 AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]
 FP8_MAX = 448.0
 # Linears that read the same activations share GPTQ's act-order (it comes from their input's Hessian).
@@ -49,6 +54,7 @@ def _rewrite(
     quantize: Quantizer,
     extra_files: dict | None = None,
     bias_dtype: torch.dtype | None = None,
+    linear: re.Pattern = LINEAR,
 ) -> None:
     """Copy src to dst, replacing each decoder projection weight by quantize(layer prefix,
     projection, W)'s tensors named under the projection's prefix (its bias cast to bias_dtype if
@@ -70,7 +76,7 @@ def _rewrite(
             tensors = {n: h.get_tensor(n) for n in h.keys()}
         out = {}
         for name, t in tensors.items():
-            m = LINEAR.match(name)
+            m = linear.match(name)
             if m:
                 for role, q in quantize(m.group(1), m.group(2), t).items():
                     out[name[: -len("weight")] + role] = q.contiguous()
@@ -221,7 +227,7 @@ def write_awq(src: str | Path, dst: str | Path, group_size: int = 128) -> dict[s
 # ---- FP8 ----
 
 
-def write_fp8_block(src: str | Path, dst: str | Path) -> dict[str, torch.Tensor]:
+def write_fp8_block(src: str | Path, dst: str | Path, linear: re.Pattern = LINEAR) -> dict[str, torch.Tensor]:
     """DeepSeek-V3 / HF FineGrainedFP8 layout: weight float8_e4m3fn [N, K] and weight_scale_inv fp32
     [ceil(N/128), ceil(K/128)], W = weight * weight_scale_inv per 128 x 128 block."""
     deq: dict[str, torch.Tensor] = {}
@@ -243,7 +249,7 @@ def write_fp8_block(src: str | Path, dst: str | Path) -> dict[str, torch.Tensor]
         return {"weight": q, "weight_scale_inv": sinv}
 
     qcfg = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [B, B]}
-    _rewrite(src, dst, qcfg, quantize)
+    _rewrite(src, dst, qcfg, quantize, linear=linear)
     return deq
 
 

@@ -241,6 +241,24 @@ REFUSED = [
 ]
 
 
+def test_fp8_block_checkpoint_matches_its_dequantized_model(tmp_path, fresh_seed):
+    """DeepSeek-V3's own FP8 layout (every MLA and expert projection E4M3 with 128 x 128 `weight_scale_inv`,
+    `quantization_config` fp8) loads as it is; its logits are transformers' over the dequantized weights."""
+    from tests import quant_checkpoints as qc
+    from tests.test_quant_model import check_close, dense_copy, our_logits
+
+    src, dst, ref = tmp_path / "src", tmp_path / "fp8", tmp_path / "ref"
+    write_random_deepseek(src, "v3", seed=fresh_seed % 1000)
+    deq = qc.write_fp8_block(src, dst, linear=qc.DEEPSEEK_LINEAR)
+    assert any(".experts." in k for k in deq) and any("kv_b_proj" in k for k in deq)
+    dense_copy(src, ref, deq)
+    prompts = [np.random.default_rng(fresh_seed).integers(0, 256, n).tolist() for n in (3, 29)]
+    hf = hf_model(ref)
+    with torch.inference_mode():
+        want = [hf(torch.tensor([p])).logits[0].float() for p in prompts]
+    check_close(our_logits(dst, prompts), want, 1e-4)
+
+
 @pytest.mark.parametrize("version,field,value", REFUSED)
 def test_unsupported_field_refused_by_name(version, field, value):
     d = {**DEEPSEEK_SHAPES[version], "hidden_act": "silu", field: value}
