@@ -152,6 +152,15 @@ def test_a_missing_package_the_configuration_needs_is_named(tmp_path, demo_dir):
     assert "pip install torch" in reason, reason
 
 
+def test_a_missing_tritonserver_is_named_before_anything_starts(tmp_path, demo_dir):
+    stack = ServingStack(tmp_path, MODEL_DIR=demo_dir)
+    hide(tmp_path, stack.env, "pytriton")
+    r = stack.start(check=False)
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    assert r.stderr.startswith("start_server: nvidia-pytriton is not installed: `pip install"), r.stderr
+    assert "Traceback" not in r.stderr and not stack_processes(stack.log_dir)
+
+
 def test_a_request_for_a_feature_whose_package_is_missing_gets_501_naming_it(tmp_path, demo_dir):
     stack = http_stack(tmp_path, MODEL_DIR=demo_dir)
     hide(tmp_path, stack.env, "llguidance")

@@ -34,7 +34,7 @@ from llmserve.serving import start_status
 from llmserve.serving.ports import bind_error
 from llmserve.serving.start_status import LOAD_FAILED
 from llmserve.serving.supervisor import http_frontend_enabled
-from llmserve.serving.tritonserver import shm_prefix
+from llmserve.serving.tritonserver import TritonNotFound, pytriton_root, shm_prefix
 
 RUN_FILE = "llmserve.run.json"
 LOG_GENERATIONS = 5  # a start keeps the logs of this many earlier starts: engine.log.1 (the last) .. engine.log.5
@@ -190,6 +190,11 @@ def start() -> int:
             print(f"start_server: already running (pid {pid}); run stop_server.sh first", file=sys.stderr)
             return 2
     problems = port_problems(cfg) if node == 0 else []  # other nodes listen on nothing
+    if node == 0:  # Triton serves there: its package, named here rather than in a traceback of the supervisor's
+        try:
+            pytriton_root()
+        except TritonNotFound as e:
+            problems.append(str(e))
     if problems:
         for p in problems:
             print(f"start_server: {p}", file=sys.stderr)

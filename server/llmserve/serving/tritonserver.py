@@ -48,7 +48,10 @@ class TritonNotFound(RuntimeError):
 
 def pytriton_root() -> Path:
     """The `pytriton` package directory, found without importing it (we need its files, not its code)."""
-    spec = importlib.util.find_spec("pytriton")
+    try:
+        spec = importlib.util.find_spec("pytriton")
+    except ImportError:  # a broken or hidden install counts as missing
+        spec = None
     if spec is None or not spec.submodule_search_locations:
         raise TritonNotFound("nvidia-pytriton is not installed: `pip install 'nvidia-pytriton>=0.6,<0.8'`")
     return Path(next(iter(spec.submodule_search_locations))).resolve()
