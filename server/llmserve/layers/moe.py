@@ -27,6 +27,7 @@ from llmserve.kernels.activation import swiglu
 from llmserve.kernels.fused_moe import SCALE_BLOCK, fused_moe
 from llmserve.layers.deepseek_config import MoEConfig
 from llmserve.layers.linear import Linear
+from llmserve.layers.parallel import Shard
 from llmserve.layers.quant.methods import FP8, LinearMethod, load_linear
 from llmserve.layers.weights import WeightReader
 
@@ -131,13 +132,11 @@ class MoE:
     stacked: Stacked | None = None  # set by load (stack_experts): the fused path's weights
 
     @classmethod
-    def load(cls, r: WeightReader, p: str, method: LinearMethod, cfg: MoEConfig, rank: int = 0, ranks: int = 1) -> MoE:
+    def load(cls, r: WeightReader, p: str, method: LinearMethod, cfg: MoEConfig, shard: Shard | None = None) -> MoE:
         """The experts of the layer whose MLP is under `p` (e.g. "model.layers.3.mlp."), named as DeepSeek's
-        and transformers' checkpoints name them (experts.{e}.gate_proj...). Of `ranks` tensor-parallel ranks,
-        `rank` holds 1/ranks of every expert's intermediate features (its output is a partial sum)."""
-
-        def rows(width: int) -> tuple[int, int] | None:
-            return None if ranks == 1 else (rank * width // ranks, (rank + 1) * width // ranks)
+        and transformers' checkpoints name them (experts.{e}.gate_proj...). With a `shard` of several ranks,
+        this rank's share of every expert's intermediate features (its output is a partial sum)."""
+        rows = shard.mlp_rows if shard is not None else lambda width: None
 
         if r.has(p + "experts.gate_up_proj"):
             raise ValueError(f"{p}experts.gate_up_proj: fused expert tensors; expected experts.{{e}}.gate_proj etc.")

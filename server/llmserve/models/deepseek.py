@@ -94,7 +94,7 @@ class DeepseekModel:
         cfg, H, m, tp = self.cfg, self.cfg.num_attention_heads, p + "mlp.", self.tp
         split = tp.size > 1  # heads, and every MLP's intermediate features (parallel.py)
         if moe:
-            mlp = MoE.load(r, m, self.method, cfg.moe, tp.rank, tp.size)
+            mlp = MoE.load(r, m, self.method, cfg.moe, self.shard if split else None)
         else:
             mlp = MLP.load(r, m, self.method, self.shard.mlp_rows() if split else None)
         w = load_mla(r, p + "self_attn.", self.method, cfg.mla, H, self.shard.heads() if split else None)

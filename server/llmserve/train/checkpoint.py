@@ -17,9 +17,37 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
-from transformers import DeepseekV3Config, LlamaConfig, LlamaForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 from llmserve.train.mtp import MTPLayer, checkpoint_tensors
+
+
+def _common(preset, vocab_size: int, bos_id: int, eos_ids: tuple[int, ...]) -> dict:
+    """The fields both families' configs take alike."""
+    return dict(
+        vocab_size=vocab_size,
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=preset.tie_word_embeddings,
+        hidden_act="silu",
+        attention_bias=False,
+        initializer_range=0.02,
+        bos_token_id=bos_id,
+        eos_token_id=list(eos_ids),
+        pad_token_id=None,
+        attn_implementation="sdpa",
+    )
 
 
 def model_config(preset, vocab_size: int, bos_id: int, eos_ids: tuple[int, ...], mtp: bool) -> PretrainedConfig:
@@ -29,13 +57,9 @@ def model_config(preset, vocab_size: int, bos_id: int, eos_ids: tuple[int, ...],
     ds = preset.deepseek
     return DeepseekV3Config(
         architectures=["DeepseekV3ForCausalLM"],
-        vocab_size=vocab_size,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        moe_intermediate_size=ds.moe_intermediate_size,
-        num_hidden_layers=preset.num_hidden_layers,
-        num_attention_heads=preset.num_attention_heads,
+        **_common(preset, vocab_size, bos_id, eos_ids),
         num_key_value_heads=preset.num_attention_heads,
+        moe_intermediate_size=ds.moe_intermediate_size,
         n_shared_experts=ds.n_shared_experts,
         n_routed_experts=ds.n_routed_experts,
         num_experts_per_tok=ds.num_experts_per_tok,
@@ -49,28 +73,29 @@ def model_config(preset, vocab_size: int, bos_id: int, eos_ids: tuple[int, ...],
         topk_group=ds.topk_group,
         first_k_dense_replace=ds.first_k_dense_replace,
         norm_topk_prob=True,
-        max_position_embeddings=preset.max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": preset.rope_theta},
         rope_interleave=True,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=preset.tie_word_embeddings,
-        hidden_act="silu",
-        attention_bias=False,
-        initializer_range=0.02,
-        bos_token_id=bos_id,
-        eos_token_id=list(eos_ids),
-        pad_token_id=None,
-        attn_implementation="sdpa",
         topk_method="noaux_tc",  # what transformers' router does (DeepSeek-V3's names, for other readers)
         scoring_func="sigmoid",
         num_nextn_predict_layers=1 if mtp else 0,
     )
 
 
+def llama_config(preset, vocab_size: int, bos_id: int, eos_ids: tuple[int, ...], mtp: bool) -> LlamaConfig:
+    extra = {"num_nextn_predict_layers": 1} if mtp else {}
+    return LlamaConfig(
+        architectures=["LlamaForCausalLM"],
+        **_common(preset, vocab_size, bos_id, eos_ids),
+        num_key_value_heads=preset.num_key_value_heads,
+        head_dim=preset.head_dim,
+        rope_theta=preset.rope_theta,
+        mlp_bias=False,
+        **extra,
+    )
+
+
 def causal_lm(config: PretrainedConfig) -> PreTrainedModel:
     """A freshly initialised model of `config`'s family (transformers' own classes)."""
-    from transformers import DeepseekV3ForCausalLM
-
     return (DeepseekV3ForCausalLM if config.model_type == "deepseek_v3" else LlamaForCausalLM)(config)
 
 
@@ -91,33 +116,6 @@ def per_expert(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         else:
             out[k] = v
     return out
-
-
-def llama_config(preset, vocab_size: int, bos_id: int, eos_ids: tuple[int, ...], mtp: bool) -> LlamaConfig:
-    extra = {"num_nextn_predict_layers": 1} if mtp else {}
-    return LlamaConfig(
-        architectures=["LlamaForCausalLM"],
-        vocab_size=vocab_size,
-        hidden_size=preset.hidden_size,
-        intermediate_size=preset.intermediate_size,
-        num_hidden_layers=preset.num_hidden_layers,
-        num_attention_heads=preset.num_attention_heads,
-        num_key_value_heads=preset.num_key_value_heads,
-        head_dim=preset.head_dim,
-        max_position_embeddings=preset.max_position_embeddings,
-        rope_theta=preset.rope_theta,
-        rms_norm_eps=1e-5,
-        tie_word_embeddings=preset.tie_word_embeddings,
-        hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        initializer_range=0.02,
-        bos_token_id=bos_id,
-        eos_token_id=list(eos_ids),
-        pad_token_id=None,
-        attn_implementation="sdpa",
-        **extra,
-    )
 
 
 def _config_dict(config: PretrainedConfig, dtype: str = "float32") -> dict:
