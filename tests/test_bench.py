@@ -236,8 +236,9 @@ def _check_timing(ok: list[RequestResult]) -> None:
     for r in ok:
         assert r.ttft >= TTFT_S * 0.95
         # Each gap is the server's pause, give or take the client's own delay in reading: one late
-        # read shortens the next gap (seen at 8.5 of 10 ms under load), so their sum is what is bounded.
-        assert len(r.itl) == r.output_len - 1 and sum(r.itl) >= ITL_S * len(r.itl) * 0.9
+        # read shortens the next gap (seen at 8.5 of 10 ms under load; a late first token, at 5.5 of 10
+        # with a single gap), so what is bounded is when the last token came: never before the server sent it.
+        assert len(r.itl) == r.output_len - 1 and r.ttft + sum(r.itl) >= (TTFT_S + ITL_S * len(r.itl)) * 0.95
         assert r.latency >= r.ttft + sum(r.itl) - 1e-6
     # Upper bound, loose: the box is shared.
     assert np.median([r.ttft for r in ok]) < TTFT_S + 0.5
